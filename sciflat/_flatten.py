@@ -1,0 +1,354 @@
+"""`destructure`: one flat real vector for a model, ties kept, rebuilt in `p.dtype`."""
+
+import dataclasses
+import functools as ft
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jaxtyping import Array, Float, PyTree
+
+from ._dtypes import check_representable, complex_dtype, is_complex, is_inexact, real_dtype
+from ._validate import as_flat_vector
+
+
+_M = TypeVar("_M")
+
+#
+# The static description of a model: hashable, so `jit` never retraces for it.
+#
+
+_TRAIN, _CAST, _KEEP, _STATIC = "train", "cast", "keep", "static"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+    """One unique trainable array: where it sits in `p` and what it looks like."""
+
+    offset: int
+    size: int  # entries of `p` it takes: twice the array's size when complex
+    shape: tuple[int, ...]
+    complex: bool
+    paths: tuple[str, ...]  # every position the array is used in (more than one = tied)
+
+
+class _ById:
+    """Holds an unhashable static leaf; equal only to itself."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    treedef: Any
+    kinds: tuple[tuple[str, Any], ...]  # per leaf: (kind, slot / array index / value)
+    slots: tuple[_Slot, ...]
+    n_cast: int
+    size: int
+    dtype: np.dtype
+    name: str
+
+    @ft.cached_property
+    def _hash(self) -> int:
+        return hash((self.treedef, self.kinds, self.slots, self.size, self.dtype))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+
+#
+# Rebuilding: one jitted function per structure, so eager `re(p)` costs one dispatch.
+#
+
+
+@ft.partial(jax.jit, static_argnums=0)
+def _rebuild_arrays(spec: _Spec, p, cast_arrays):
+    slot_arrays = []
+    pieces = jax.lax.split(p, [s.size for s in spec.slots]) if spec.slots else []
+    for slot, piece in zip(spec.slots, pieces, strict=True):
+        if slot.complex:
+            half = slot.size // 2
+            piece = jax.lax.complex(piece[:half], piece[half:])
+        slot_arrays.append(piece.reshape(slot.shape))
+    target = np.dtype(p.dtype)
+    casts = [
+        x.astype(complex_dtype(target, "frozen leaf") if is_complex(x.dtype) else target)
+        for x in cast_arrays
+    ]
+    return slot_arrays, casts
+
+
+def _replicated_like(sharding):
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    return sharding
+
+
+class Restructure(eqx.Module, Generic[_M]):
+    """Rebuilds a model from a flat vector `p`; returned by [`sciflat.destructure`][].
+
+    `re(p)` returns the model with every trainable leaf read from `p`, every floating
+    leaf (trainable or frozen) in `p.dtype` and every complex leaf in the matching
+    complex dtype. Arrays that were tied stay one array. `re` is a pytree and also
+    hashable, so it can be closed over, passed to `jax.jit`, or marked static.
+    """
+
+    _spec: _Spec = eqx.field(static=True)
+    _arrays: tuple  # leaves that are not in `p`: frozen floating arrays, then others
+
+    def __call__(self, p: Float[Array, " n"]) -> _M:
+        spec = self._spec
+        for slot in spec.slots:
+            if slot.complex and not isinstance(p, list | tuple):
+                complex_dtype(getattr(p, "dtype", np.float32), f"`{slot.paths[0]}`")
+        p = as_flat_vector(p, spec.size, f"Restructure({spec.name})")
+        cast_in = self._arrays[: spec.n_cast]
+        if cast_in and isinstance(p, jax.Array) and not isinstance(p, jax.core.Tracer):
+            cast_in = jax.device_put(cast_in, _replicated_like(p.sharding))
+        slot_arrays, casts = _rebuild_arrays(spec, p, cast_in)
+        leaves = []
+        for kind, value in spec.kinds:
+            if kind == _TRAIN:
+                leaves.append(slot_arrays[value])
+            elif kind == _CAST:
+                leaves.append(casts[value])
+            elif kind == _KEEP:
+                leaves.append(self._arrays[value])
+            else:
+                leaves.append(value.value if isinstance(value, _ById) else value)
+        return jtu.tree_unflatten(spec.treedef, leaves)
+
+    def __len__(self) -> int:
+        return self._spec.size
+
+    def __repr__(self) -> str:
+        spec = self._spec
+        return f"Restructure({spec.name}, {spec.size} params, {spec.dtype.name})"
+
+    def __hash__(self) -> int:
+        return hash((self._spec, tuple(id(x) for x in self._arrays)))
+
+    def __eq__(self, other) -> bool:  # pyright: ignore[reportIncompatibleMethodOverride]
+        return (
+            type(other) is type(self)
+            and self._spec == other._spec
+            and len(self._arrays) == len(other._arrays)
+            and all(a is b for a, b in zip(self._arrays, other._arrays, strict=True))
+        )
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The dtype `p` was made in by `destructure` (`re` accepts any real dtype)."""
+        return self._spec.dtype
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """Path of every trainable leaf position, in `p` order (tied ones share a slot)."""
+        return tuple(path for slot in self._spec.slots for path in slot.paths)
+
+    def slice(self, where: str | Callable[[Any], Any]) -> slice:
+        """The slice of `p` that a trainable leaf occupies.
+
+        `where` is the leaf's path as in [`Restructure.paths`][] (e.g.
+        `".layers[0].weight"`), or a function of the model that returns the leaf, as
+        in `eqx.tree_at` (e.g. `lambda m: m.layers[0].weight`). A complex leaf takes
+        `2 * size` entries: all real parts, then all imaginary parts.
+
+        !!! Example
+
+            ```python
+            p, re = sciflat.destructure(model)
+            p[re.slice(lambda m: m.layers[-1].bias)]
+            ```
+        """
+        if callable(where):
+            marks = [_Mark(i) for i in range(len(self._spec.kinds))]
+            found = where(jtu.tree_unflatten(self._spec.treedef, marks))
+            if not isinstance(found, _Mark):
+                raise ValueError(
+                    "`where` must return one leaf of the model, got "
+                    f"{type(found).__name__}."
+                )
+            kind, value = self._spec.kinds[found.index]
+            if kind != _TRAIN:
+                raise ValueError("`where` picks a leaf that is not in `p` (it is frozen).")
+            slot = self._spec.slots[value]
+        else:
+            key = where if where.startswith((".", "[")) else "." + where
+            matches = [s for s in self._spec.slots if key in s.paths]
+            if not matches:
+                raise KeyError(
+                    f"No trainable leaf at path {where!r}; trainable paths are "
+                    f"{list(self.paths)[:8]}{'...' if len(self.paths) > 8 else ''}."
+                )
+            slot = matches[0]
+        return slice(slot.offset, slot.offset + slot.size)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Mark:
+    index: int
+
+
+#
+# Destructuring
+#
+
+
+def _is_array(x) -> bool:
+    return isinstance(x, jax.Array | np.ndarray | np.generic)
+
+
+def _trainable_mask(model, filter_spec, n_leaves: int) -> list[bool]:
+    if filter_spec is True:
+        return [True] * n_leaves
+    sentinel = object()
+    filtered = eqx.filter(model, filter_spec, replace=sentinel)
+    return [leaf is not sentinel for leaf in jtu.tree_leaves(filtered)]
+
+
+def _p_dtype(trainable: list[tuple[str, Any]], dtype) -> np.dtype:
+    if dtype is not None:
+        dtype = np.dtype(dtype)
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise TypeError(
+                f"`dtype` must be a real floating dtype, got {dtype.name}: `p` is always "
+                "a real vector (complex leaves store their real and imaginary parts)."
+            )
+        check_representable(dtype, "`dtype`")
+        return dtype
+    if not trainable:
+        return np.dtype(jnp.zeros(()).dtype)  # JAX's default float: float32 or float64
+    out = ft.reduce(jnp.promote_types, [real_dtype(x.dtype) for _, x in trainable])
+    for path, x in trainable:
+        if real_dtype(x.dtype) == out:
+            check_representable(out, f"The trainable leaf `{path}`")
+    return np.dtype(out)
+
+
+def _ravel(arrays: list, dtype: np.dtype, like) -> jax.Array:
+    """Concatenate on the host when we can: one transfer, no compilation."""
+    if any(isinstance(x, jax.core.Tracer) for x in arrays):
+        parts = []
+        for x in arrays:
+            x = jnp.ravel(x)
+            parts += [x.real, x.imag] if is_complex(x.dtype) else [x]
+        return jnp.concatenate([x.astype(dtype) for x in parts] or [jnp.zeros(0, dtype)])
+    parts = []
+    for x in arrays:
+        x = np.ravel(np.asarray(x))
+        parts += [x.real, x.imag] if is_complex(x.dtype) else [x]
+    flat = np.concatenate([x.astype(dtype) for x in parts] or [np.zeros(0, dtype)])
+    device = like.sharding if isinstance(like, jax.Array) else None
+    return jax.device_put(flat, device)
+
+
+def destructure(
+    model: _M, filter_spec: PyTree[bool | Callable[[Any], bool]] = True, *, dtype=None
+) -> tuple[Float[Array, " n"], Restructure[_M]]:
+    """Flattens the trainable leaves of a model into one real vector `p`.
+
+    Every floating or complex array leaf selected by `filter_spec` goes into `p`, in
+    `jax.tree` leaf order; an array used in several places (the same object, or via
+    `eqx.nn.Shared`) goes in once, and its gradient is the sum over its uses. `re(p)`
+    rebuilds the model computing in `p.dtype`: every floating leaf, frozen ones too, gets
+    `p.dtype` and every complex leaf the matching complex dtype. Integer, bool and key
+    arrays, Python scalars and functions pass through unchanged.
+
+    !!! Example
+
+        ```python
+        model = eqx.nn.MLP(2, 1, 32, 2, key=jax.random.key(0))
+        p, re = sciflat.destructure(model)
+        grad = jax.grad(lambda p: jnp.sum(re(p)(x)))(p)  # same shape and dtype as p
+        ```
+
+    **Arguments:**
+
+    - `model`: any pytree, typically an Equinox module.
+    - `filter_spec`: which floating leaves are trainable, as in `eqx.partition`: a bool
+        or callable, or a pytree prefix of them. Unselected floating leaves are frozen.
+    - `dtype`: dtype of `p`. Default: the promoted real dtype of the trainable leaves.
+
+    **Returns:**
+
+    `(p, re)`: the flat vector and the [`sciflat.Restructure`][] that rebuilds the model.
+    """
+    path_leaves, treedef = jtu.tree_flatten_with_path(model)
+    mask = _trainable_mask(model, filter_spec, len(path_leaves))
+    kinds, keep, cast = [], [], []
+    slots_by_key: dict[Any, list[str]] = {}  # tie key -> paths; insertion order = `p` order
+    first_leaf: dict[Any, Any] = {}
+    slot_index: dict[Any, int] = {}
+    cast_by_key: dict[Any, int] = {}
+    for i, ((keypath, leaf), selected) in enumerate(zip(path_leaves, mask, strict=True)):
+        path = jtu.keystr(keypath)
+        if not _is_array(leaf):
+            kinds.append((_STATIC, leaf if _hashable(leaf) else _ById(leaf)))
+            continue
+        if np.dtype(leaf.dtype).kind in "OUSVMm":
+            raise TypeError(
+                f"Leaf `{path}` is an array of dtype {np.dtype(leaf.dtype)}; sciflat "
+                "takes numeric arrays only. Mark it static (`eqx.field(static=True)`) "
+                "or convert it."
+            )
+        # Ties are by identity; a NumPy scalar has no identity worth trusting.
+        key = ("scalar", i) if isinstance(leaf, np.generic) else id(leaf)
+        if not is_inexact(leaf.dtype):
+            kinds.append((_KEEP, len(keep)))
+            keep.append(leaf)
+        elif selected:
+            if key in cast_by_key:
+                raise ValueError(_mixed_tie_message(path))
+            if key not in slots_by_key:
+                slot_index[key] = len(slots_by_key)
+                slots_by_key[key], first_leaf[key] = [], leaf
+            slots_by_key[key].append(path)
+            kinds.append((_TRAIN, slot_index[key]))
+        else:
+            if key in slots_by_key:
+                raise ValueError(_mixed_tie_message(path))
+            if key not in cast_by_key:
+                cast_by_key[key] = len(cast)
+                cast.append(leaf)
+            kinds.append((_CAST, cast_by_key[key]))
+    trainable = [(paths[0], first_leaf[key]) for key, paths in slots_by_key.items()]
+    slot_paths = list(slots_by_key.values())
+    p_dtype = _p_dtype(trainable, dtype)
+    slots, offset = [], 0
+    for (_, leaf), paths in zip(trainable, slot_paths, strict=True):
+        size = int(np.prod(np.shape(leaf), dtype=int)) * (2 if is_complex(leaf.dtype) else 1)
+        if is_complex(leaf.dtype):
+            complex_dtype(p_dtype, f"The trainable leaf `{paths[0]}`")
+        slots.append(_Slot(offset, size, tuple(np.shape(leaf)), is_complex(leaf.dtype), tuple(paths)))
+        offset += size
+    # Frozen floating arrays come first in `_arrays`: they are cast at rebuild time.
+    kinds = [(k, v + len(cast)) if k == _KEEP else (k, v) for k, v in kinds]
+    spec = _Spec(
+        treedef, tuple(kinds), tuple(slots), len(cast), offset, p_dtype,
+        type(model).__name__,
+    )
+    leaves = [leaf for _, leaf in trainable]
+    p = _ravel(leaves, p_dtype, leaves[0] if leaves else None)
+    return p, Restructure(spec, tuple(cast) + tuple(keep))
+
+
+def _hashable(x) -> bool:
+    try:
+        hash(x)
+    except TypeError:
+        return False
+    return True
+
+
+def _mixed_tie_message(path: str) -> str:
+    return (
+        f"Leaf `{path}` is the same array as another leaf, but one of the two is "
+        "trainable and the other frozen by `filter_spec`. A tied array must be "
+        "trainable everywhere or frozen everywhere."
+    )

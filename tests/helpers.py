@@ -1,0 +1,104 @@
+"""Shared test utilities: reference comparisons and the edge-case models."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def tree_allclose(a, b, rtol=1e-6, atol=1e-6) -> bool:
+    la, ta = jax.tree.flatten(a)
+    lb, tb = jax.tree.flatten(b)
+    if ta != tb:
+        return False
+    for x, y in zip(la, lb, strict=True):
+        if isinstance(x, jax.Array | np.ndarray):
+            if np.shape(x) != np.shape(y) or not np.allclose(x, y, rtol=rtol, atol=atol):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def inexact_dtypes(tree) -> set:
+    """The dtypes of every floating or complex array leaf."""
+    return {
+        np.dtype(x.dtype)
+        for x in jax.tree.leaves(tree)
+        if isinstance(x, jax.Array | np.ndarray) and jnp.issubdtype(x.dtype, jnp.inexact)
+    }
+
+
+class Tied(eqx.Module):
+    """The seed-000 model: one layer used twice (`Model(d, d)` in Flux)."""
+
+    a: eqx.nn.Linear
+    b: eqx.nn.Linear
+
+    def __call__(self, x):
+        return self.a(x) + self.b(x)
+
+
+class Mixed(eqx.Module):
+    """float32 and float64 leaves, a frozen-by-type int leaf and a static field."""
+
+    w32: jax.Array
+    w64: jax.Array
+    counts: jax.Array
+    name: str = eqx.field(static=True, default="mixed")
+
+    def __call__(self, x):
+        return jnp.sum(self.w32 * x) + jnp.sum(self.w64 * x) + jnp.sum(self.counts)
+
+
+class WithComplex(eqx.Module):
+    z: jax.Array
+    w: jax.Array
+
+    def __call__(self, x):
+        return jnp.sum(jnp.abs(self.z * x) ** 2) + jnp.sum(self.w * x)
+
+
+class SharedTransposed(eqx.Module):
+    """The seed's `W` and `W'`: an encoder weight reused, transposed, by the decoder."""
+
+    shared: eqx.nn.Shared
+
+    def __init__(self, n, m, key):
+        k1, k2 = jax.random.split(key)
+        enc = eqx.nn.Linear(n, m, key=k1)
+        dec = eqx.nn.Linear(m, n, key=k2)
+        where = lambda pair: pair[1].weight
+        get = lambda pair: pair[0].weight.T
+        self.shared = eqx.nn.Shared((enc, dec), where, get)
+
+    def __call__(self, x):
+        enc, dec = self.shared()
+        return dec(jnp.tanh(enc(x)))
+
+
+def edge_models():
+    """Name -> (model, input) for every edge case the suite reuses."""
+    key = jax.random.key(0)
+    k1, k2, k3 = jax.random.split(key, 3)
+    lin = eqx.nn.Linear(1, 1, key=k1)
+    mlp32 = eqx.nn.MLP(3, 2, 8, 2, key=k2)
+    nested = eqx.nn.Sequential([lin, eqx.nn.Lambda(jnp.tanh), lin])
+    return {
+        "empty": ((), None),
+        "only_ints": ({"n": jnp.arange(3)}, None),
+        "scalar_0d": ({"a": jnp.asarray(2.0), "b": jnp.ones((2, 0))}, None),
+        "numpy_leaves": ({"w": np.linspace(0, 1, 4), "i": np.arange(2)}, None),
+        "mlp_float32": (mlp32, jnp.ones(3)),
+        "tied_identity": (Tied(lin, lin), jnp.ones(1)),
+        "nested_tie": (nested, jnp.ones(1)),
+        "shared_transposed": (SharedTransposed(3, 2, k3), jnp.ones(3)),
+        "mixed_precision": (
+            Mixed(jnp.ones(2, jnp.float32), jnp.full(2, 0.5, jnp.float64), jnp.arange(2)),
+            jnp.ones(2),
+        ),
+        "complex_leaf": (
+            WithComplex(jnp.array([1 + 2j, 3 - 1j], jnp.complex64), jnp.ones(2)),
+            jnp.ones(2),
+        ),
+    }
