@@ -151,6 +151,40 @@ class Restructure(eqx.Module, Generic[_M]):
         """Path of every trainable leaf position, in `p` order (tied ones share a slot)."""
         return tuple(path for slot in self._spec.slots for path in slot.paths)
 
+    def layout(self) -> list[dict[str, Any]]:
+        """A JSON-able description of every array leaf of the model, in leaf order.
+
+        Each entry has `path`, `kind`, `shape`, `dtype` and `tied_to` (the first path
+        of the same array, or `None`). `kind` is `"trainable"` (in `p`; `dtype` is the
+        one `re` rebuilds it in, and `offset`/`size` say where it sits in `p`),
+        `"frozen"` (floating but not in `p`; `dtype` as given) or `"other"` (integer,
+        bool or key arrays, passed through). Used by [`sciflat.save`][] to check that
+        a file fits a model; non-array leaves are left out.
+        """
+        spec = self._spec
+        marks = [_Mark(i) for i in range(len(spec.kinds))]
+        marked = jtu.tree_flatten_with_path(jtu.tree_unflatten(spec.treedef, marks))[0]
+        paths = {m.index: jtu.keystr(k) for k, m in marked}
+        first: dict[tuple[str, int], str] = {}
+        out = []
+        for i, (kind, value) in enumerate(spec.kinds):
+            if kind == _STATIC:
+                continue
+            tied_to = first.setdefault((kind, value), paths[i])
+            entry: dict[str, Any] = {"path": paths[i]}
+            if kind == _TRAIN:
+                slot = spec.slots[value]
+                dtype = complex_dtype(spec.dtype, "") if slot.complex else spec.dtype
+                entry.update(kind="trainable", shape=list(slot.shape), dtype=str(dtype))
+                entry.update(offset=slot.offset, size=slot.size)
+            else:
+                x = self._arrays[value]
+                entry.update(kind="frozen" if kind == _CAST else "other")
+                entry.update(shape=list(np.shape(x)), dtype=str(x.dtype))
+            entry["tied_to"] = None if tied_to == paths[i] else tied_to
+            out.append(entry)
+        return out
+
     def slice(self, where: str | Callable[[Any], Any]) -> slice:
         """The slice of `p` that a trainable leaf occupies.
 
