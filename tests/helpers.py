@@ -66,8 +66,8 @@ class SharedTransposed(eqx.Module):
 
     def __init__(self, n, m, key):
         k1, k2 = jax.random.split(key)
-        enc = eqx.nn.Linear(n, m, key=k1)
-        dec = eqx.nn.Linear(m, n, key=k2)
+        enc = eqx.nn.Linear(n, m, key=k1, dtype=jnp.float32)
+        dec = eqx.nn.Linear(m, n, key=k2, dtype=jnp.float32)
         where = lambda pair: pair[1].weight
         get = lambda pair: pair[0].weight.T
         self.shared = eqx.nn.Shared((enc, dec), where, get)
@@ -81,8 +81,8 @@ def edge_models():
     """Name -> (model, input) for every edge case the suite reuses."""
     key = jax.random.key(0)
     k1, k2, k3 = jax.random.split(key, 3)
-    lin = eqx.nn.Linear(1, 1, key=k1)
-    mlp32 = eqx.nn.MLP(3, 2, 8, 2, key=k2)
+    lin = eqx.nn.Linear(1, 1, key=k1, dtype=jnp.float32)
+    mlp32 = eqx.nn.MLP(3, 2, 8, 2, key=k2, dtype=jnp.float32)
     nested = eqx.nn.Sequential([lin, eqx.nn.Lambda(jnp.tanh), lin])
     return {
         "empty": ((), None),
@@ -102,3 +102,19 @@ def edge_models():
             jnp.ones(2),
         ),
     }
+
+
+def float_dtypes_in_jaxpr(closed_jaxpr) -> set[str]:
+    """Names of the floating dtypes output by any equation, nested jaxprs included."""
+    from jax.extend.core import jaxprs_in_params
+
+    found, stack = set(), [closed_jaxpr.jaxpr]
+    while stack:
+        jaxpr = stack.pop()
+        for eqn in jaxpr.eqns:
+            for var in eqn.outvars:
+                dtype = getattr(var.aval, "dtype", None)
+                if dtype is not None and jnp.issubdtype(dtype, jnp.floating):
+                    found.add(np.dtype(dtype).name)
+            stack.extend(jaxprs_in_params(eqn.params))
+    return found
