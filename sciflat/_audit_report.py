@@ -1,0 +1,231 @@
+"""What the dtype auditor found: the findings, where in the user's code, and the table."""
+
+import dataclasses
+import functools as ft
+import importlib.util
+import os
+import sysconfig
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import numpy as np
+
+
+#
+# The user's own source line: the innermost frame outside the libraries.
+#
+
+_LIBRARIES = (
+    "jax", "jaxlib", "equinox", "diffrax", "optax", "lineax", "optimistix",
+    "jaxtyping", "typeguard", "sciflat",
+)  # fmt: skip
+
+
+@ft.cache
+def _library_dirs() -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    libraries = []
+    for name in _LIBRARIES:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations:
+            libraries += [os.path.join(d, "") for d in spec.submodule_search_locations]
+    stdlib = {os.path.join(sysconfig.get_path(k), "") for k in ("stdlib", "platstdlib")}
+    site = {os.path.join(sysconfig.get_path(k), "") for k in ("purelib", "platlib")}
+    return tuple(libraries), tuple(stdlib), tuple(site)
+
+
+@ft.cache
+def _is_user_file(filename: str) -> bool:
+    libraries, stdlib, site = _library_dirs()
+    if filename.startswith(("<frozen ", *libraries)):
+        return False
+    # site-packages sits inside the standard library's folder and holds user code too.
+    return filename.startswith(site) or not filename.startswith(stdlib)
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Location:
+    """A line of the user's code: `file:line (function)`."""
+
+    file: str
+    line: int
+    function: str
+
+    def __str__(self) -> str:
+        file = self.file
+        if os.path.isabs(file):
+            rel = os.path.relpath(file)
+            file = rel if not rel.startswith("..") else file
+        return f"{file}:{self.line} ({self.function})"
+
+
+_UNKNOWN = Location("<unknown>", 0, "?")
+
+
+def user_location(tracebacks: Sequence[Any]) -> Location:
+    """The innermost frame in user code of the first of `tracebacks` (JAX source-info
+    tracebacks, from an op outwards through the ops that enclose it) that has one."""
+    for traceback in tracebacks:
+        where = _user_frame(traceback)
+        if where is not None:
+            return where
+    return _UNKNOWN
+
+
+@ft.lru_cache(maxsize=4096)
+def _user_frame(traceback) -> Location | None:
+    if traceback is None:
+        return None
+    codes, lastis = traceback.raw_frames()
+    for code, lasti in zip(codes, lastis, strict=True):
+        if _is_user_file(code.co_filename):
+            return Location(code.co_filename, _line(code, lasti), code.co_qualname)
+    return None
+
+
+@ft.lru_cache(maxsize=4096)
+def _positions(code) -> tuple:
+    return tuple(pos[0] for pos in code.co_positions())
+
+
+def _line(code, lasti: int) -> int:
+    lines = _positions(code)
+    index = lasti // 2  # one position per 2-byte code unit
+    line = lines[index] if 0 <= index < len(lines) else None
+    return code.co_firstlineno if line is None else line
+
+
+#
+# Findings and the report
+#
+
+Kind = Literal["op", "narrow", "widen", "convert"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """One group of operations that left the expected dtype.
+
+    `kind` is `"op"` (an operation whose output has an unexpected floating dtype),
+    `"narrow"` / `"widen"` (a `convert_element_type` to a smaller / larger floating
+    dtype) or `"convert"` (between floating dtypes of one size, e.g. float16 and
+    bfloat16). `source` is `None` for an `"op"`; `count` is how many operations of
+    the jaxpr (nested ones included) fall in this group.
+    """
+
+    kind: Kind
+    primitive: str
+    source: np.dtype | None
+    dtype: np.dtype
+    where: Location
+    count: int
+
+    @property
+    def dtypes(self) -> str:
+        if self.source is None:
+            return self.dtype.name
+        return f"{self.source.name} -> {self.dtype.name}"
+
+
+@dataclasses.dataclass(frozen=True)
+class DtypeReport:
+    """The result of [`sciflat.audit_dtypes`][]: `print` it, or call `raise_if_any()`.
+
+    `findings` holds what is not allowed, `allowed` what the `allow` list let through;
+    both are grouped by (kind, primitive, dtypes, source line), most frequent first
+    within a line. `len(report)` is the number of groups found, so a clean report is
+    falsy.
+    """
+
+    name: str
+    expected: np.dtype
+    findings: tuple[Finding, ...]
+    allowed: tuple[Finding, ...]
+    n_checked: int
+
+    def __len__(self) -> int:
+        return len(self.findings)
+
+    def __str__(self) -> str:
+        n_ops = sum(f.count for f in self.findings)
+        head = (
+            f"dtype audit of {self.name}: expected {self.expected.name}, "
+            f"{self.n_checked} floating-point ops checked, "
+        )
+        if not self.findings:
+            head += "nothing found"
+        else:
+            head += (
+                f"{n_ops} ops in {len(self.findings)} groups left {self.expected.name}"
+            )
+        if self.allowed:
+            head += f" ({sum(f.count for f in self.allowed)} allowed)"
+        return head + ("\n" + _table(self.findings) if self.findings else "")
+
+    __repr__ = __str__
+
+    def raise_if_any(self) -> "DtypeReport":
+        """Raises a `TypeError` holding the table if anything was found; else returns
+        the report."""
+        if self.findings:
+            raise TypeError(
+                f"{self}\nEvery floating-point op should compute in "
+                f"{self.expected.name}. If some of these are intended, list them in "
+                '`allow`, e.g. `allow=[("dot_general", "bfloat16")]` or '
+                '`allow=["float32"]`.'
+            )
+        return self
+
+
+def _table(findings: Sequence[Finding]) -> str:
+    rows = [("op", "dtypes", "count", "where")]
+    rows += [(f.primitive, f.dtypes, str(f.count), str(f.where)) for f in findings]
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = [
+        f"  {a:<{widths[0]}}  {b:<{widths[1]}}  {c:>{widths[2]}}  {d}"
+        for a, b, c, d in rows
+    ]
+    return "\n".join(lines)
+
+
+#
+# The allow list
+#
+
+AllowEntry = Any  # a dtype, (primitive, dtype), or Callable[[Finding], bool]
+
+
+def allow_rule(allow: Sequence[AllowEntry]) -> Callable[[Finding, frozenset], bool]:
+    """Turns the user's `allow` list into one predicate (finding, dtypes) -> allowed."""
+    dtypes, pairs, predicates = set(), set(), []
+    for entry in allow:
+        if callable(entry) and not isinstance(entry, type):
+            predicates.append(entry)
+        elif isinstance(entry, tuple):
+            if len(entry) != 2 or not isinstance(entry[0], str):
+                raise TypeError(
+                    "`allow` entries that are tuples must be (primitive name, dtype), "
+                    f'e.g. ("dot_general", "bfloat16"); got {entry!r}.'
+                )
+            pairs.add((entry[0], _dtype(entry[1])))
+        else:
+            dtypes.add(_dtype(entry))
+
+    def rule(finding: Finding, off: frozenset) -> bool:
+        # `off`: the finding's dtypes that are not the expected ones.
+        if off <= dtypes:
+            return True
+        if any(finding.primitive == prim and off <= {dt} for prim, dt in pairs):
+            return True
+        return any(pred(finding) for pred in predicates)
+
+    return rule
+
+
+def _dtype(x) -> np.dtype:
+    try:
+        return np.dtype(x)
+    except TypeError:
+        raise TypeError(
+            '`allow` entries must be dtypes (e.g. `jnp.float32` or "bfloat16"), '
+            f"(primitive, dtype) pairs, or functions of a `Finding`; got {x!r}."
+        ) from None
