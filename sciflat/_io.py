@@ -1,0 +1,284 @@
+"""`save`/`load`: a flat vector and the structure it belongs to, in a plain `.npz` file.
+
+The file holds `p` and a JSON header (leaf paths, shapes, dtypes, ties, frozen leaves,
+versions). It is read with `allow_pickle=False`: nothing in it is ever executed.
+"""
+
+import importlib.metadata
+import json
+import os
+import tempfile
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float
+
+from ._dtypes import check_representable, complex_dtype, is_complex
+from ._flatten import Restructure, destructure
+from ._validate import as_flat_vector
+
+
+_M = TypeVar("_M")
+
+FORMAT = "sciflat"
+FORMAT_VERSION = 1
+_HEADER = "sciflat_header"
+
+#
+# Arrays to and from NumPy: bfloat16 & co. are stored as raw unsigned ints.
+#
+
+
+def to_numpy(x) -> np.ndarray:
+    x = np.asarray(x)
+    if (
+        x.dtype.kind == "V"
+    ):  # ml_dtypes (bfloat16, float8...): NumPy stores them as void
+        return x.view(f"u{x.dtype.itemsize}")
+    return x
+
+
+def from_numpy(x: np.ndarray, dtype: str) -> np.ndarray:
+    want = jnp.dtype(dtype)
+    return x.view(want) if want.kind == "V" else x
+
+
+def nonfinite_paths(flat, re: Restructure) -> list[str]:
+    """Paths of the trainable leaves with a NaN or infinite entry in `flat`."""
+    bad = ~np.isfinite(to_numpy(flat).astype(np.float64))
+    return [
+        leaf["path"]
+        for leaf in re.layout()
+        if leaf["kind"] == "trainable"
+        and bad[leaf["offset"] : leaf["offset"] + leaf["size"]].any()
+    ]
+
+
+def _check_concrete(x, who: str) -> None:
+    if isinstance(x, jax.core.Tracer):
+        raise TypeError(
+            f"{who} got a JAX tracer: it reads or writes a file, so call it outside "
+            "`jax.jit`/`jax.grad`/`jax.vmap`, on concrete values (e.g. return `p` from "
+            "the jitted function and save it afterwards)."
+        )
+
+
+#
+# Writing: validate everything first, then write a temp file and rename it into place.
+#
+
+
+def header(p, re: Restructure) -> dict[str, Any]:
+    dtype = np.dtype(p.dtype)
+    leaves = re.layout()
+    for leaf in leaves:
+        if (
+            leaf["kind"] == "trainable"
+        ):  # `re` rebuilds in `p.dtype`, whatever it was made in
+            complex_ = is_complex(jnp.dtype(leaf["dtype"]))
+            leaf["dtype"] = str(complex_dtype(dtype, "") if complex_ else dtype)
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "sciflat_version": importlib.metadata.version("sciflat"),
+        "restructure": repr(re),
+        "dtype": str(dtype),
+        "size": len(re),
+        "leaves": leaves,
+    }
+
+
+def write_atomic(path, arrays: dict[str, np.ndarray], head: dict[str, Any]) -> None:
+    """Writes an `.npz` next to `path` and renames it over `path`: never half a file."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"`path`: the folder {folder!r} does not exist.")
+    arrays = {**arrays, _HEADER: np.array(json.dumps(head, allow_nan=False))}
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".sciflat-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # also Ctrl-C: leave no temp file behind
+        os.unlink(tmp)
+        raise
+
+
+def save(
+    path: str | os.PathLike,
+    p_or_model,
+    re: Restructure | None = None,
+    *,
+    allow_nonfinite: bool = False,
+) -> None:
+    """Saves a flat parameter vector with a description of the model it belongs to.
+
+    Writes an `.npz` file (plain NumPy, no pickle) holding `p` and a JSON header:
+    every leaf's path, shape and dtype, which leaves are trainable, frozen or tied,
+    and the format and sciflat versions. Frozen and non-floating leaves are described
+    but not stored: [`sciflat.load`][] takes them from the skeleton. The file appears
+    atomically: a crash mid-write leaves any earlier file at `path` intact.
+
+    !!! Example
+
+        ```python
+        sciflat.save("model.npz", model)  # or sciflat.save("model.npz", p, re)
+        model = sciflat.load("model.npz", skeleton)
+        ```
+
+    **Arguments:**
+
+    - `path`: the file to write (any name; `.npz` is conventional).
+    - `p_or_model`: a flat vector `p` (then pass `re`), or a model, destructured with
+        every floating leaf trainable.
+    - `re`: the [`sciflat.Restructure`][] that `p` belongs to.
+    - `allow_nonfinite`: save even if `p` holds NaN or infinity (refused by default).
+    """
+    if re is None:
+        if isinstance(p_or_model, jax.Array | np.ndarray) and np.ndim(p_or_model) == 1:
+            raise TypeError(
+                "`save(path, p)` needs the `re` that `p` belongs to: "
+                "`save(path, p, re)`, or pass the model itself: `save(path, model)`."
+            )
+        p, re = destructure(p_or_model)
+    elif not isinstance(re, Restructure):
+        raise TypeError(f"`re` must be a sciflat.Restructure, got {type(re).__name__}.")
+    else:
+        p = p_or_model
+    _check_concrete(p, "`sciflat.save`")
+    p = as_flat_vector(p, len(re), "`sciflat.save`")
+    if not allow_nonfinite and (bad := nonfinite_paths(p, re)):
+        raise ValueError(
+            f"`p` holds NaN or infinity in {', '.join(f'`{b}`' for b in bad)}; nothing "
+            "was written. Pass `allow_nonfinite=True` to save it anyway."
+        )
+    write_atomic(path, {"p": to_numpy(p)}, header(p, re))
+
+
+#
+# Reading: check the file against the skeleton, leaf by leaf.
+#
+
+
+def read(path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    with np.load(os.fspath(path), allow_pickle=False) as z:
+        if _HEADER not in z.files:
+            raise ValueError(f"{os.fspath(path)!r} is not a sciflat file (no header).")
+        head = json.loads(str(z[_HEADER]))
+        arrays = {k: z[k] for k in z.files if k != _HEADER}
+    if head.get("format") != FORMAT or head.get("format_version", 0) > FORMAT_VERSION:
+        raise ValueError(
+            f"{os.fspath(path)!r} has format {head.get('format')!r} version "
+            f"{head.get('format_version')}; this sciflat reads {FORMAT!r} up to version "
+            f"{FORMAT_VERSION}. Update sciflat."
+        )
+    return head, arrays
+
+
+def _describe(leaf: dict[str, Any]) -> str:
+    shape = tuple(leaf["shape"])
+    return f"{leaf['kind']} {leaf['dtype']}{list(shape)}" + (
+        f" tied to `{leaf['tied_to']}`" if leaf["tied_to"] else ""
+    )
+
+
+def _key(leaf: dict[str, Any]):
+    # A trainable or frozen leaf is rebuilt in the dtype of `p`: compare only real/complex.
+    dtype = leaf["dtype"]
+    if leaf["kind"] != "other":
+        dtype = "complex" if is_complex(jnp.dtype(dtype)) else "real"
+    return leaf["path"], leaf["kind"], tuple(leaf["shape"]), dtype, leaf["tied_to"]
+
+
+def check_layout(found: list[dict], re: Restructure, path) -> None:
+    """Raises naming the first leaf where the file and the skeleton differ."""
+    expected = re.layout()
+    for want, got in zip(expected, found, strict=False):
+        if _key(want) != _key(got):
+            where = want["path"] if want["path"] == got["path"] else None
+            raise ValueError(
+                f"{os.fspath(path)!r} does not fit the skeleton"
+                + (f" at leaf `{where}`" if where else "")
+                + f": expected `{want['path']}` {_describe(want)}, found `{got['path']}` "
+                f"{_describe(got)} in the file."
+            )
+    if len(expected) != len(found):
+        extra, side = (
+            (found, "file") if len(found) > len(expected) else (expected, "skeleton")
+        )
+        leaf = extra[min(len(expected), len(found))]
+        raise ValueError(
+            f"{os.fspath(path)!r} does not fit the skeleton: the {side} has "
+            f"{len(extra)} array leaves, the other {min(len(expected), len(found))}; "
+            f"the first extra one is `{leaf['path']}` {_describe(leaf)}."
+        )
+
+
+def load_flat(path, re: Restructure, dtype, who: str) -> tuple[dict, dict, np.ndarray]:
+    """The checked header, all arrays, and `p` in the dtype asked for."""
+    head, arrays = read(path)
+    check_layout(head["leaves"], re, path)
+    saved = np.dtype(jnp.dtype(head["dtype"]))
+    if dtype is None:
+        if saved != re.dtype:
+            raise TypeError(
+                f"{os.fspath(path)!r} holds {saved.name} parameters, but the skeleton "
+                f"is {re.dtype.name}. Say which you want: `{who}(..., dtype=jnp."
+                f"{saved.name})` keeps the file's precision, `dtype=jnp.{re.dtype.name}` "
+                "converts to the skeleton's."
+            )
+        dtype = saved
+    dtype = np.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"`dtype` must be a real floating dtype, got {dtype.name}.")
+    check_representable(dtype, "`dtype`")
+    p = from_numpy(arrays.pop("p"), head["dtype"])
+    return head, arrays, p.astype(dtype)
+
+
+def load(
+    path: str | os.PathLike,
+    like: _M | Restructure[_M],
+    *,
+    filter_spec=True,
+    dtype=None,
+) -> _M | Float[Array, " n"]:
+    """Loads what [`sciflat.save`][] wrote, after checking it fits a skeleton.
+
+    The file's structure (leaf paths, shapes, real/complex, which leaves are trainable,
+    frozen or tied) must match the skeleton's exactly; otherwise a `ValueError` names
+    the first differing leaf. The file is read with `allow_pickle=False`. Converting to
+    another precision is never silent: if the file's dtype differs from the
+    skeleton's, pass `dtype=` to say which one you want.
+
+    !!! Example
+
+        ```python
+        skeleton = eqx.nn.MLP(2, 1, 32, 2, key=jax.random.key(0))  # values ignored
+        model = sciflat.load("model.npz", skeleton)
+        ```
+
+    **Arguments:**
+
+    - `path`: the file.
+    - `like`: a model of the same architecture (its frozen and non-floating leaves are
+        used), or the [`sciflat.Restructure`][] the file's `p` belongs to.
+    - `filter_spec`: when `like` is a model, which leaves are trainable, as given to
+        [`sciflat.destructure`][] when the file was written.
+    - `dtype`: the dtype to load `p` in. Default: the file's, which must then equal
+        the skeleton's.
+
+    **Returns:**
+
+    The model (rebuilt in the loaded dtype) if `like` is a model, or `p` if `like` is a
+    `Restructure`.
+    """
+    re = like if isinstance(like, Restructure) else destructure(like, filter_spec)[1]
+    _, _, p = load_flat(path, re, dtype, "sciflat.load")
+    p = jnp.asarray(p)
+    return p if isinstance(like, Restructure) else re(p)
