@@ -65,7 +65,8 @@ def _run_page(page: Path) -> dict:
     """In the forked child: run the page's blocks in one namespace, in order."""
     import warnings
 
-    warnings.simplefilter("error")  # as in the test suite: a docs snippet that warns is a bug
+    # As in the test suite: a docs snippet that warns is a bug.
+    warnings.simplefilter("error")
     namespace = {"__name__": "__main__"}
     blocks = python_blocks(page.read_text())
     for number, (line, body) in enumerate(blocks, start=1):
@@ -84,7 +85,9 @@ def _run_page(page: Path) -> dict:
 
 
 def _fork_and_run(page: Path, workdir: Path) -> dict:
-    log, result_file, here = (workdir / f"{page.stem}.{x}" for x in ("log", "json", "d"))
+    log, result_file, here = (
+        workdir / f"{page.stem}.{x}" for x in ("log", "json", "d")
+    )
     start = time.perf_counter()
     pid = os.fork()
     if pid == 0:  # the child: never returns
@@ -114,7 +117,12 @@ def _fork_and_run(page: Path, workdir: Path) -> dict:
         result = {"ok": False, "error": f"timed out after {PAGE_TIMEOUT_S} s"}
     else:
         result = {"ok": False, "error": f"the page's process died (status {status})"}
-    return {**result, "page": _rel(page), "seconds": round(seconds, 2), "output": output}
+    return {
+        **result,
+        "page": _rel(page),
+        "seconds": round(seconds, 2),
+        "output": output,
+    }
 
 
 def run_pages(pages: list[Path]) -> list[dict]:
@@ -231,7 +239,9 @@ def test_every_public_name_is_in_the_api_pages():
         "line for each."
     )
     unknown = sorted(documented - names)
-    assert not unknown, f"docs/api.md documents names sciflat does not export: {unknown}"
+    assert not unknown, (
+        f"docs/api.md documents names sciflat does not export: {unknown}"
+    )
 
 
 def test_site_builds_strictly(tmp_path):
@@ -245,7 +255,9 @@ def test_site_builds_strictly(tmp_path):
         timeout=300,
     )
     problems = [
-        line for line in proc.stderr.splitlines() if "WARNING" in line or "ERROR" in line
+        line
+        for line in proc.stderr.splitlines()
+        if "WARNING" in line or "ERROR" in line
     ]
     assert proc.returncode == 0, "mkdocs build --strict failed:\n" + "\n".join(
         problems or proc.stderr.splitlines()[-30:]
