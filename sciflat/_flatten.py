@@ -2,7 +2,7 @@
 
 import dataclasses
 import functools as ft
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
 import equinox as eqx
@@ -12,7 +12,13 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, Float, PyTree
 
-from ._dtypes import check_representable, complex_dtype, is_complex, is_inexact, real_dtype
+from ._dtypes import (
+    check_representable,
+    complex_dtype,
+    is_complex,
+    is_inexact,
+    real_dtype,
+)
 from ._validate import as_flat_vector
 
 
@@ -77,7 +83,9 @@ def _rebuild_arrays(spec: _Spec, p, cast_arrays):
         slot_arrays.append(piece.reshape(slot.shape))
     target = np.dtype(p.dtype)
     casts = [
-        x.astype(complex_dtype(target, "frozen leaf") if is_complex(x.dtype) else target)
+        x.astype(
+            complex_dtype(target, "frozen leaf") if is_complex(x.dtype) else target
+        )
         for x in cast_arrays
     ]
     return slot_arrays, casts
@@ -100,6 +108,7 @@ class Restructure(eqx.Module, Generic[_M]):
 
     _spec: _Spec = eqx.field(static=True)
     _arrays: tuple  # leaves that are not in `p`: frozen floating arrays, then others
+    _ties: tuple[tuple[Callable, Callable], ...] = eqx.field(static=True, default=())
 
     def __call__(self, p: Float[Array, " n"]) -> _M:
         spec = self._spec
@@ -121,7 +130,10 @@ class Restructure(eqx.Module, Generic[_M]):
                 leaves.append(self._arrays[value])
             else:
                 leaves.append(value.value if isinstance(value, _ById) else value)
-        return jtu.tree_unflatten(spec.treedef, leaves)
+        model = jtu.tree_unflatten(spec.treedef, leaves)
+        for where, get in self._ties:
+            model = eqx.tree_at(where, model, get(model))
+        return model
 
     def __len__(self) -> int:
         return self._spec.size
@@ -131,12 +143,13 @@ class Restructure(eqx.Module, Generic[_M]):
         return f"Restructure({spec.name}, {spec.size} params, {spec.dtype.name})"
 
     def __hash__(self) -> int:
-        return hash((self._spec, tuple(id(x) for x in self._arrays)))
+        return hash((self._spec, self._ties, tuple(id(x) for x in self._arrays)))
 
     def __eq__(self, other) -> bool:  # pyright: ignore[reportIncompatibleMethodOverride]
         return (
             type(other) is type(self)
             and self._spec == other._spec
+            and self._ties == other._ties
             and len(self._arrays) == len(other._arrays)
             and all(a is b for a, b in zip(self._arrays, other._arrays, strict=True))
         )
@@ -210,11 +223,16 @@ class Restructure(eqx.Module, Generic[_M]):
                 )
             kind, value = self._spec.kinds[found.index]
             if kind != _TRAIN:
-                raise ValueError("`where` picks a leaf that is not in `p` (it is frozen).")
+                raise ValueError(
+                    "`where` picks a leaf that is not in `p` (it is frozen)."
+                )
             slot = self._spec.slots[value]
         else:
-            key = where if where.startswith((".", "[")) else "." + where
-            matches = [s for s in self._spec.slots if key in s.paths]
+            # Accept the path with or without its leading dot.
+            key = where.lstrip(".")
+            matches = [
+                s for s in self._spec.slots if key in (p.lstrip(".") for p in s.paths)
+            ]
             if not matches:
                 raise KeyError(
                     f"No trainable leaf at path {where!r}; trainable paths are "
@@ -272,7 +290,9 @@ def _ravel(arrays: list, dtype: np.dtype, like) -> jax.Array:
         for x in arrays:
             x = jnp.ravel(x)
             parts += [x.real, x.imag] if is_complex(x.dtype) else [x]
-        return jnp.concatenate([x.astype(dtype) for x in parts] or [jnp.zeros(0, dtype)])
+        return jnp.concatenate(
+            [x.astype(dtype) for x in parts] or [jnp.zeros(0, dtype)]
+        )
     parts = []
     for x in arrays:
         x = np.ravel(np.asarray(x))
@@ -283,7 +303,11 @@ def _ravel(arrays: list, dtype: np.dtype, like) -> jax.Array:
 
 
 def destructure(
-    model: _M, filter_spec: PyTree[bool | Callable[[Any], bool]] = True, *, dtype=None
+    model: _M,
+    filter_spec: PyTree[bool | Callable[[Any], bool]] = True,
+    *,
+    dtype=None,
+    ties: Sequence[tuple[Callable[[_M], Any], Callable[[_M], Any]]] = (),
 ) -> tuple[Float[Array, " n"], Restructure[_M]]:
     """Flattens the trainable leaves of a model into one real vector `p`.
 
@@ -308,24 +332,34 @@ def destructure(
     - `filter_spec`: which floating leaves are trainable, as in `eqx.partition`: a bool
         or callable, or a pytree prefix of them. Unselected floating leaves are frozen.
     - `dtype`: dtype of `p`. Default: the promoted real dtype of the trainable leaves.
+    - `ties`: pairs `(where, get)` that tie parts of a model built without
+        `eqx.nn.Shared`: `where(model)` is dropped from `p` and rebuilt as
+        `get(rebuilt)`, e.g. `(lambda m: m.decoder.weight, lambda m: m.encoder.weight.T)`.
 
     **Returns:**
 
     `(p, re)`: the flat vector and the [`sciflat.Restructure`][] that rebuilds the model.
     """
+    ties = tuple(ties)
+    for where, get in ties:
+        model = _drop_tied(model, where, get)
     path_leaves, treedef = jtu.tree_flatten_with_path(model)
     mask = _trainable_mask(model, filter_spec, len(path_leaves))
     kinds, keep, cast = [], [], []
-    slots_by_key: dict[Any, list[str]] = {}  # tie key -> paths; insertion order = `p` order
+    slots_by_key: dict[
+        Any, list[str]
+    ] = {}  # tie key -> paths; insertion order = `p` order
     first_leaf: dict[Any, Any] = {}
     slot_index: dict[Any, int] = {}
     cast_by_key: dict[Any, int] = {}
-    for i, ((keypath, leaf), selected) in enumerate(zip(path_leaves, mask, strict=True)):
+    for i, ((keypath, leaf), selected) in enumerate(
+        zip(path_leaves, mask, strict=True)
+    ):
         path = jtu.keystr(keypath)
         if not _is_array(leaf):
             kinds.append((_STATIC, leaf if _hashable(leaf) else _ById(leaf)))
             continue
-        if np.dtype(leaf.dtype).kind in "OUSVMm":
+        if not _numeric(leaf.dtype):
             raise TypeError(
                 f"Leaf `{path}` is an array of dtype {np.dtype(leaf.dtype)}; sciflat "
                 "takes numeric arrays only. Mark it static (`eqx.field(static=True)`) "
@@ -356,20 +390,63 @@ def destructure(
     p_dtype = _p_dtype(trainable, dtype)
     slots, offset = [], 0
     for (_, leaf), paths in zip(trainable, slot_paths, strict=True):
-        size = int(np.prod(np.shape(leaf), dtype=int)) * (2 if is_complex(leaf.dtype) else 1)
+        size = int(np.prod(np.shape(leaf), dtype=int)) * (
+            2 if is_complex(leaf.dtype) else 1
+        )
         if is_complex(leaf.dtype):
             complex_dtype(p_dtype, f"The trainable leaf `{paths[0]}`")
-        slots.append(_Slot(offset, size, tuple(np.shape(leaf)), is_complex(leaf.dtype), tuple(paths)))
+        slots.append(
+            _Slot(
+                offset,
+                size,
+                tuple(np.shape(leaf)),
+                is_complex(leaf.dtype),
+                tuple(paths),
+            )
+        )
         offset += size
     # Frozen floating arrays come first in `_arrays`: they are cast at rebuild time.
     kinds = [(k, v + len(cast)) if k == _KEEP else (k, v) for k, v in kinds]
     spec = _Spec(
-        treedef, tuple(kinds), tuple(slots), len(cast), offset, p_dtype,
+        treedef,
+        tuple(kinds),
+        tuple(slots),
+        len(cast),
+        offset,
+        p_dtype,
         type(model).__name__,
     )
     leaves = [leaf for _, leaf in trainable]
     p = _ravel(leaves, p_dtype, leaves[0] if leaves else None)
-    return p, Restructure(spec, tuple(cast) + tuple(keep))
+    return p, Restructure(spec, tuple(cast) + tuple(keep), ties)
+
+
+class _TiedMarker:
+    """Stands where a tied target was dropped; `re` puts `get(model)` back there."""
+
+    def __repr__(self) -> str:
+        return "<tied>"
+
+
+_TIED = _TiedMarker()
+
+
+def _drop_tied(model, where, get):
+    source = eqx.filter_eval_shape(get, model)
+    target = eqx.filter_eval_shape(where, model)
+    if eqx.tree_equal(source, target) is not True:
+        raise ValueError(
+            "A tie's `get(model)` must have the structure, shapes and dtypes of "
+            f"`where(model)`; got {source} for `get` and {target} for `where`."
+        )
+    return eqx.tree_at(where, model, replace_fn=lambda _: _TIED)
+
+
+def _numeric(dtype) -> bool:
+    return any(
+        jnp.issubdtype(dtype, kind)
+        for kind in (jnp.number, jnp.bool_, jax.dtypes.prng_key, jax.dtypes.extended)
+    )
 
 
 def _hashable(x) -> bool:

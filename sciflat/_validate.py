@@ -16,7 +16,9 @@ def as_flat_vector(p, size: int, who: str) -> jax.Array:
     if isinstance(p, list | tuple):
         p = np.asarray(p)
     if not hasattr(p, "dtype") or not hasattr(p, "shape"):
-        raise TypeError(f"{who} expected a 1-D real floating array, got {type(p).__name__}.")
+        raise TypeError(
+            f"{who} expected a 1-D real floating array, got {type(p).__name__}."
+        )
     dtype = np.dtype(p.dtype)
     if jnp.issubdtype(dtype, jnp.complexfloating):
         raise TypeError(
@@ -32,7 +34,11 @@ def as_flat_vector(p, size: int, who: str) -> jax.Array:
     if isinstance(p, np.ndarray | np.generic):
         check_representable(dtype, f"`p` (a NumPy array given to {who})")
     if np.ndim(p) != 1:
-        raise ValueError(f"{who} expected a 1-D vector of length {size}, got shape {tuple(np.shape(p))}.")
+        raise ValueError(
+            f"{who} expected a 1-D vector of length {size}, got shape {tuple(np.shape(p))}."
+        )
     if np.shape(p)[0] != size:
-        raise ValueError(f"{who} expected a vector of length {size}, got {np.shape(p)[0]}.")
+        raise ValueError(
+            f"{who} expected a vector of length {size}, got {np.shape(p)[0]}."
+        )
     return p if isinstance(p, jax.Array) else jnp.asarray(p)

@@ -13,7 +13,9 @@ def tree_allclose(a, b, rtol=1e-6, atol=1e-6) -> bool:
         return False
     for x, y in zip(la, lb, strict=True):
         if isinstance(x, jax.Array | np.ndarray):
-            if np.shape(x) != np.shape(y) or not np.allclose(x, y, rtol=rtol, atol=atol):
+            if np.shape(x) != np.shape(y) or not np.allclose(
+                x, y, rtol=rtol, atol=atol
+            ):
                 return False
         elif x != y:
             return False
@@ -25,7 +27,8 @@ def inexact_dtypes(tree) -> set:
     return {
         np.dtype(x.dtype)
         for x in jax.tree.leaves(tree)
-        if isinstance(x, jax.Array | np.ndarray) and jnp.issubdtype(x.dtype, jnp.inexact)
+        if isinstance(x, jax.Array | np.ndarray)
+        and jnp.issubdtype(x.dtype, jnp.inexact)
     }
 
 
@@ -94,7 +97,9 @@ def edge_models():
         "nested_tie": (nested, jnp.ones(1)),
         "shared_transposed": (SharedTransposed(3, 2, k3), jnp.ones(3)),
         "mixed_precision": (
-            Mixed(jnp.ones(2, jnp.float32), jnp.full(2, 0.5, jnp.float64), jnp.arange(2)),
+            Mixed(
+                jnp.ones(2, jnp.float32), jnp.full(2, 0.5, jnp.float64), jnp.arange(2)
+            ),
             jnp.ones(2),
         ),
         "complex_leaf": (
