@@ -1,0 +1,397 @@
+"""`sciflat.vector_field`: Diffrax differentiates with respect to `p`, in `p.dtype`.
+
+Each solve compiles a Diffrax loop (seconds on CPU), so the matrix is kept small: every
+solver with the default adjoint, every other adjoint with Tsit5, one float32 solve; the
+references are closed forms (y' = A y -> expm(A t) y0; y' = a - b y -> a / b) or
+`jax.grad` of the same solve on the plain pytree.
+"""
+
+import functools as ft
+
+import diffrax
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.scipy.linalg as jsl
+import numpy as np
+import pytest
+from jax.extend import core as jcore
+
+import sciflat
+
+
+T1, DT = 1.0, 0.05
+A0 = np.array([[-0.5, 1.0], [-1.0, -0.3]])
+Y0 = np.array([1.0, 0.5])
+
+
+class Linear(eqx.Module):
+    A: jax.Array
+
+    def __call__(self, t, y, args):
+        return self.A @ y
+
+
+def closed_form_loss(model: Linear, y0):
+    # y(T) = expm(A T) y0, differentiable on the plain pytree.
+    return jnp.sum((jsl.expm(model.A * T1) @ y0) ** 2)
+
+
+@ft.cache
+def solve_grad(solver_name: str, adjoint_name: str, dtype_name: str):
+    """Value and gradient of sum(y(T)^2) w.r.t. `p`, jitted once per combination."""
+    dtype = jnp.dtype(dtype_name)
+    _, re = sciflat.destructure(Linear(jnp.asarray(A0, dtype)))
+    term = diffrax.ODETerm(sciflat.vector_field(re))
+    solver = getattr(diffrax, solver_name)()
+    adjoint = getattr(diffrax, adjoint_name)()
+    tol = 1e-10 if dtype == jnp.float64 else 1e-6
+    controller = diffrax.PIDController(rtol=tol, atol=tol)
+
+    def loss(p, y0):
+        t0, t1, dt0 = (jnp.asarray(x, dtype) for x in (0.0, T1, DT))
+        sol = diffrax.diffeqsolve(
+            term,
+            solver,
+            t0,
+            t1,
+            dt0,
+            y0,
+            args=p,
+            adjoint=adjoint,
+            stepsize_controller=controller,
+            max_steps=4096,
+        )
+        return jnp.sum(sol.ys[-1] ** 2)
+
+    return loss, jax.jit(jax.value_and_grad(loss))
+
+
+def _subjaxprs(params):
+    for value in params.values():
+        for x in value if isinstance(value, list | tuple) else [value]:
+            if isinstance(x, jcore.ClosedJaxpr):
+                yield x.jaxpr
+            elif isinstance(x, jcore.Jaxpr):
+                yield x
+
+
+def foreign_float_ops(jaxpr, dtype) -> list[str]:
+    """Every op (nested jaxprs included) producing a strongly typed float of another
+    dtype. Weakly typed scalars (`~float64[]`, Python constants such as a step-size
+    factor) are literals combined with `dtype` values in `dtype`, not computations
+    on `p`, so they are not counted."""
+    bad = []
+    for eqn in jaxpr.eqns:
+        for var in eqn.outvars:
+            aval = var.aval
+            floating = hasattr(aval, "dtype") and jnp.issubdtype(
+                aval.dtype, jnp.floating
+            )
+            if floating and aval.dtype != dtype and not aval.weak_type:
+                bad.append(f"{eqn.primitive.name}: {aval}")
+        for sub in _subjaxprs(eqn.params):
+            bad += foreign_float_ops(sub, dtype)
+    return bad
+
+
+@pytest.mark.parametrize(
+    "solver, adjoint",
+    [
+        ("Tsit5", "RecursiveCheckpointAdjoint"),
+        ("Dopri5", "RecursiveCheckpointAdjoint"),
+        ("Kvaerno5", "RecursiveCheckpointAdjoint"),
+        ("Tsit5", "BacksolveAdjoint"),
+        ("Tsit5", "DirectAdjoint"),
+    ],
+)
+def test_gradient_matches_closed_form_float64(solver, adjoint):
+    model = Linear(jnp.asarray(A0))
+    p, _ = sciflat.destructure(model)
+    y0 = jnp.asarray(Y0)
+    value, grad = solve_grad(solver, adjoint, "float64")[1](p, y0)
+    ref_value, ref_grad = jax.value_and_grad(closed_form_loss)(model, y0)
+    assert grad.dtype == p.dtype == jnp.float64
+    np.testing.assert_allclose(value, ref_value, rtol=1e-8)
+    np.testing.assert_allclose(grad, ref_grad.A.ravel(), rtol=1e-6, atol=1e-8)
+
+
+def test_float32_solve_stays_float32():
+    model = Linear(jnp.asarray(A0, jnp.float32))
+    p, _ = sciflat.destructure(model)
+    y0 = jnp.asarray(Y0, jnp.float32)
+    loss, value_and_grad = solve_grad("Tsit5", "RecursiveCheckpointAdjoint", "float32")
+    value, grad = value_and_grad(p, y0)
+    assert value.dtype == grad.dtype == jnp.float32
+    ref_value, ref_grad = jax.value_and_grad(closed_form_loss)(
+        Linear(jnp.asarray(A0)), jnp.asarray(Y0)
+    )
+    np.testing.assert_allclose(value, ref_value, rtol=1e-4)
+    np.testing.assert_allclose(grad, ref_grad.A.ravel(), rtol=1e-3, atol=1e-4)
+    assert (
+        foreign_float_ops(jax.make_jaxpr(jax.grad(loss))(p, y0).jaxpr, jnp.float32)
+        == []
+    )
+
+
+@pytest.mark.parametrize("adjoint", ["RecursiveCheckpointAdjoint", "BacksolveAdjoint"])
+def test_gradient_jaxpr_has_no_float_op_in_another_dtype(adjoint):
+    p, _ = sciflat.destructure(Linear(jnp.asarray(A0)))
+    loss, _ = solve_grad("Tsit5", adjoint, "float64")
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(p, jnp.asarray(Y0)).jaxpr
+    assert foreign_float_ops(jaxpr, jnp.float64) == []
+
+
+def test_the_walker_sees_a_hidden_float32_op():
+    # The walker must be able to fail: a model that computes in float32 inside.
+    f = lambda p: jnp.sum(jnp.sin(p.astype(jnp.float32)).astype(jnp.float64))
+    jaxpr = jax.make_jaxpr(jax.grad(f))(jnp.ones(3))
+    assert any("float32" in op for op in foreign_float_ops(jaxpr.jaxpr, jnp.float64))
+
+
+class Decay(eqx.Module):
+    a: jax.Array
+    b: jax.Array
+
+    def __call__(self, t, y, args):
+        return self.a - self.b * y
+
+
+def test_implicit_adjoint_at_steady_state():
+    # y' = a - b y has the steady state a / b: d/da = 1/b, d/db = -a/b^2.
+    model = Decay(jnp.asarray(2.0), jnp.asarray(4.0))
+    p, re = sciflat.destructure(model)
+    term = diffrax.ODETerm(sciflat.vector_field(re))
+
+    @jax.jit
+    @jax.value_and_grad
+    def steady(p):
+        sol = diffrax.diffeqsolve(
+            term,
+            diffrax.Kvaerno5(),
+            0.0,
+            jnp.inf,
+            0.1,
+            jnp.asarray(0.0),
+            args=p,
+            event=diffrax.Event(diffrax.steady_state_event()),
+            adjoint=diffrax.ImplicitAdjoint(),
+            stepsize_controller=diffrax.PIDController(rtol=1e-10, atol=1e-10),
+            max_steps=1024,
+        )
+        return sol.ys[-1]
+
+    value, grad = steady(p)
+    assert grad.dtype == jnp.float64
+    np.testing.assert_allclose(value, 0.5, rtol=1e-8)
+    np.testing.assert_allclose(grad, [1 / 4, -2 / 16], rtol=1e-6)
+
+
+#
+# Universal differential equation: known physics + network, one `p`, ties, float32 init.
+#
+
+
+class UDE(eqx.Module):
+    """Lotka–Volterra prey growth and predator death known, interaction learned.
+
+    The network's hidden layer is used twice (a tie), and it is built in float32.
+    """
+
+    alpha: jax.Array
+    delta: jax.Array
+    hidden: eqx.nn.Linear
+    hidden_again: eqx.nn.Linear
+    out: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.alpha = jnp.asarray(1.5, jnp.float32)
+        self.delta = jnp.asarray(1.0, jnp.float32)
+        self.hidden = eqx.nn.Linear(4, 4, key=k1)
+        self.hidden_again = self.hidden
+        self.out = eqx.nn.Linear(4, 2, key=k2)
+
+    def __call__(self, t, y, args):
+        h = jnp.tanh(self.hidden(jnp.concatenate([y, y])))
+        net = self.out(jnp.tanh(self.hidden_again(h)))
+        physics = jnp.stack([self.alpha * y[0], -self.delta * y[1]])
+        return physics + 0.1 * net
+
+
+def _solve_ys(term, args, y0):
+    sol = diffrax.diffeqsolve(
+        term,
+        diffrax.Tsit5(),
+        0.0,
+        1.0,
+        0.1,
+        y0,
+        args=args,
+        saveat=diffrax.SaveAt(ts=jnp.linspace(0.0, 1.0, 5)),
+    )
+    return jnp.sum(sol.ys**2)
+
+
+def test_ude_gradient_matches_plain_pytree_with_ties():
+    model = UDE(jax.random.key(0))
+    p, re = sciflat.destructure(model, dtype=jnp.float64)
+    y0 = jnp.asarray([1.0, 0.5])
+    term = diffrax.ODETerm(sciflat.vector_field(re))
+    grad = jax.jit(jax.grad(lambda p: _solve_ys(term, p, y0)))(p)
+
+    # Reference: the same solve on the plain float64 pytree; tied positions summed.
+    plain = jax.tree.map(
+        lambda x: x.astype(jnp.float64) if eqx.is_array(x) else x, model
+    )
+    plain_term = diffrax.ODETerm(lambda t, y, m: m(t, y, None))
+    plain_grad = jax.jit(jax.grad(lambda m: _solve_ys(plain_term, m, y0)))(plain)
+    ref = np.zeros(len(re))
+    for path, g in jax.tree_util.tree_flatten_with_path(plain_grad)[0]:
+        ref[re.slice(jax.tree_util.keystr(path))] += np.ravel(g)
+    assert grad.dtype == jnp.float64 and len(re) < len(jax.tree.leaves(plain)) * 16
+    np.testing.assert_allclose(grad, ref, rtol=1e-10, atol=1e-12)
+
+
+#
+# Signatures and the dtype rule, checked on the vector field itself (no solve).
+#
+
+
+class ByY(eqx.Module):
+    w: jax.Array
+
+    def __call__(self, y):
+        return -self.w * y
+
+
+class ByTY(eqx.Module):
+    w: jax.Array
+
+    def __call__(self, t, y):
+        return -self.w * y * t
+
+
+class ByTYArgs(eqx.Module):
+    w: jax.Array
+
+    def __call__(self, t, y, args):
+        return -self.w * y + (0.0 if args is None else args["forcing"])
+
+
+@pytest.mark.parametrize(
+    "model, signature, extra, expected",
+    [
+        (ByY(jnp.asarray(2.0)), "y", None, -6.0),
+        (ByTY(jnp.asarray(2.0)), "t,y", None, -3.0),
+        (ByTYArgs(jnp.asarray(2.0)), "t,y,args", None, -6.0),
+        (ByTYArgs(jnp.asarray(2.0)), "t,y,args", {"forcing": 1.0}, -5.0),
+    ],
+)
+def test_signatures(model, signature, extra, expected):
+    p, re = sciflat.destructure(model)
+    f = sciflat.vector_field(re, signature)
+    args = p if extra is None else (p, extra)
+    out = f(jnp.asarray(0.5), jnp.asarray(3.0), args)
+    assert out.dtype == jnp.float64
+    np.testing.assert_allclose(out, expected)
+
+
+def test_time_reaches_the_model_in_p_dtype():
+    seen = []
+
+    class Spy(eqx.Module):
+        w: jax.Array
+
+        def __call__(self, t, y):
+            seen.append(t.dtype)
+            return self.w * y
+
+    p, re = sciflat.destructure(Spy(jnp.ones((), jnp.float32)))
+    sciflat.vector_field(re, "t,y")(
+        jnp.asarray(0.5, jnp.float64), jnp.ones((), jnp.float32), p
+    )
+    assert seen == [jnp.float32]
+
+
+def _shape_of_solve(term, y0, p, dtype=None):
+    t0, t1, dt0 = (
+        (0.0, 1.0, 0.1) if dtype is None else (dtype(0.0), dtype(1.0), dtype(0.1))
+    )
+    solve = lambda p: (
+        diffrax.diffeqsolve(term, diffrax.Tsit5(), t0, t1, dt0, y0, args=p).ys
+    )
+    return jax.eval_shape(solve, p)
+
+
+def test_float32_y0_with_float64_p_is_a_type_error():
+    p, re = sciflat.destructure(Linear(jnp.asarray(A0)))
+    term = diffrax.ODETerm(sciflat.vector_field(re))
+    y0 = jnp.asarray(Y0, jnp.float32)
+    with pytest.raises(
+        TypeError, match=r"`y` has dtype float32, but `p` has dtype float64"
+    ):
+        _shape_of_solve(term, y0, p, jnp.float32)
+
+
+def test_diffrax_promotes_y0_to_the_time_dtype_first():
+    # The documented rule: Diffrax itself promotes `y0` with the dtype of the times
+    # before any vector field sees it, so with Python-float times under x64 a float32
+    # `y0` becomes float64 and the solve runs in float64, like `p` (never in float32).
+    p, re = sciflat.destructure(Linear(jnp.asarray(A0)))
+    term = diffrax.ODETerm(sciflat.vector_field(re))
+    assert _shape_of_solve(term, jnp.asarray(Y0, jnp.float32), p).dtype == jnp.float64
+
+
+def test_float64_times_promoting_a_float32_state_is_a_type_error():
+    # Diffrax promotes y0 to the dtype of the times: float32 p and y0 with float64
+    # times would silently solve in float64; the message says why.
+    p, re = sciflat.destructure(Linear(jnp.asarray(A0, jnp.float32)))
+    term = diffrax.ODETerm(sciflat.vector_field(re))
+    with pytest.raises(TypeError, match=r"(?s)float64, but `p` has dtype float32.*t0"):
+        _shape_of_solve(term, jnp.asarray(Y0, jnp.float32), p)
+
+
+def test_model_output_in_another_dtype_is_a_type_error():
+    class Sneaky(eqx.Module):
+        w: jax.Array
+
+        def __call__(self, t, y, args):
+            return (self.w * y).astype(jnp.float32)
+
+    p, re = sciflat.destructure(Sneaky(jnp.ones(2)))
+    with pytest.raises(TypeError, match="output `dy/dt` has dtype float32"):
+        sciflat.vector_field(re)(0.0, jnp.ones(2), p)
+
+
+def test_bad_arguments():
+    p, re = sciflat.destructure(ByY(jnp.asarray(1.0)))
+    with pytest.raises(ValueError, match="`signature` must be one of"):
+        sciflat.vector_field(re, "y,t")  # pyright: ignore[reportArgumentType]
+    with pytest.raises(TypeError, match="`re` must be the `Restructure`"):
+        sciflat.vector_field(ByY(jnp.asarray(1.0)))  # pyright: ignore[reportArgumentType]
+    f = sciflat.vector_field(re, "y")
+    with pytest.raises(
+        TypeError, match="`args` of `diffeqsolve` must be the flat vector"
+    ):
+        f(0.0, jnp.ones(()), {"p": p})
+    with pytest.raises(ValueError, match="tuple of length 3"):
+        f(0.0, jnp.ones(()), (p, None, None))
+    with pytest.raises(ValueError, match="length 1, got 2"):
+        f(0.0, jnp.ones(()), jnp.ones(2))
+
+
+def test_same_re_means_no_retrace():
+    p, re = sciflat.destructure(ByY(jnp.asarray(1.0)))
+    traces = []
+
+    @eqx.filter_jit
+    def rhs(term, y, p):
+        traces.append(1)
+        return term.vf(0.0, y, p)
+
+    for _ in range(2):
+        rhs(diffrax.ODETerm(sciflat.vector_field(re, "y")), jnp.ones(()), p)
+    assert sciflat.vector_field(re) == sciflat.vector_field(re)
+    assert hash(sciflat.vector_field(re)) == hash(sciflat.vector_field(re))
+    assert len(traces) == 1
