@@ -249,12 +249,13 @@ def audit_dtypes(
     """
     expected = _expected_dtype(p, expect)
     rule = allow_rule(allow)
-    closed, _, _ = eqx.filter_make_jaxpr(_traced(fn, grad))(p, *args)
+    closed, out_dynamic, out_static = eqx.filter_make_jaxpr(_traced(fn, grad))(p, *args)
     walker = _Walker()
     counts, n_checked = walker.walk(closed.jaxpr, (True,) * len(closed.jaxpr.invars))
     findings, allowed = _group(counts, expected, rule)
     name = getattr(fn, "__qualname__", None) or type(fn).__name__
-    return DtypeReport(name, expected, tuple(findings), tuple(allowed), n_checked)
+    out = eqx.combine(out_dynamic, out_static)
+    return DtypeReport(name, expected, tuple(findings), tuple(allowed), n_checked, out)
 
 
 def assert_dtypes(

@@ -132,8 +132,11 @@ class DtypeReport:
 
     `findings` holds what is not allowed, `allowed` what the `allow` list let through;
     both are grouped by (kind, primitive, dtypes, source line), most frequent first
-    within a line. `len(report)` is the number of groups found, so a clean report is
-    falsy.
+    within a line. A finding's `count` is how many ops of the jaxpr are in its group:
+    an op inside a loop body counts once, however many times the loop runs.
+    `len(report)` is the number of groups found, so a clean report is falsy. `out`
+    holds the `jax.ShapeDtypeStruct`s of what was traced: `fn(p, *args)`, or
+    `(fn(p, *args), gradient)` for `grad=True`.
     """
 
     name: str
@@ -141,6 +144,7 @@ class DtypeReport:
     findings: tuple[Finding, ...]
     allowed: tuple[Finding, ...]
     n_checked: int
+    out: Any = dataclasses.field(default=None, compare=False)
 
     def __len__(self) -> int:
         return len(self.findings)
