@@ -1,0 +1,178 @@
+"""`scipy.optimize.least_squares` on a model: residuals and Jacobian by JAX."""
+
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import scipy.optimize
+from jaxtyping import Array, Float, PyTree
+
+from . import _scipy_problem as sp
+from ._result import FitResult, Status
+from ._scipy_bounds import flat_bounds
+
+
+_M = TypeVar("_M")
+_METHODS = ("trf", "dogbox", "lm")
+_OURS = ("fun", "x0", "jac", "args", "kwargs", "callback")
+
+
+def _status(res) -> Status:
+    if res.status > 0:
+        return "converged"
+    return "max_steps" if res.status == 0 else "failed"
+
+
+def least_squares(
+    residuals: Callable[..., Float[Array, "..."]],
+    model: _M,
+    *args: Any,
+    method: str = "trf",
+    bounds: Mapping | tuple | None = None,
+    mode: sp.Mode = "auto",
+    x0: Float[Array, " n"] | None = None,
+    filter_spec: PyTree = True,
+    callback: Callable[[_M, float], None] | None = None,
+    progress: bool = True,
+    **kwargs: Any,
+) -> FitResult[_M]:
+    """Minimises `0.5 * sum(residuals(model, *args) ** 2)` with SciPy's `least_squares`.
+
+    As [`sciflat.minimize`][]: float64 (JAX's 64-bit mode on), residuals and Jacobian
+    each one compiled call, bounds per leaf, progress, Ctrl-C and non-finite stops.
+    The Jacobian is by forward mode (`jax.jacfwd`) when there are at most as many
+    parameters as residuals and by reverse mode (`jax.jacrev`) otherwise (`mode`
+    overrides), falling back to the other mode if the residuals cannot be
+    differentiated that way (see [`sciflat.minimize`][] on Diffrax adjoints).
+
+    !!! Example
+
+        ```python
+        result = sciflat.least_squares(lambda m, t, y: m(t) - y, model, t, y,
+                                       bounds={"rates": (0.0, None)})
+        ```
+
+    **Arguments:**
+
+    - `residuals`: `residuals(model, *args) -> array` (any shape; flattened).
+    - `model`, `*args`, `bounds`, `mode`, `x0`, `filter_spec`, `progress`: as in
+        [`sciflat.minimize`][].
+    - `method`: `"trf"`, `"dogbox"` or `"lm"` (no bounds).
+    - `callback`: `callback(model, cost)` after every iteration (every Jacobian).
+    - `**kwargs`: passed to `scipy.optimize.least_squares` (`ftol`, `x_scale`,
+        `loss`, `max_nfev`, ...).
+
+    **Returns:**
+
+    A [`sciflat.FitResult`][] whose `loss` is SciPy's `cost`; `raw` is SciPy's result.
+    """
+    if clash := [k for k in _OURS if k in kwargs]:
+        raise TypeError(f"`least_squares` handles {clash} itself; do not pass them.")
+    if method not in _METHODS:
+        raise ValueError(f"`method` must be one of {_METHODS}, got {method!r}.")
+    if method == "lm" and bounds is not None:
+        raise ValueError("`method='lm'` does not take bounds; use 'trf' or 'dogbox'.")
+    x0, re = sp.start(model, x0, filter_spec, "least_squares")
+    lb_ub = flat_bounds(bounds, re, x0)
+    leaves, rebuild = sp.split_args(args)
+
+    get = lambda kind, mode: sp.jitted(kind, _build, residuals, re, rebuild, mode)
+    res_fn = get("residuals", "none")
+    m = jax.eval_shape(res_fn, x0, leaves).shape[0]
+    modes = sp.choose_modes(mode, len(re) <= m)
+    jac_fn, used = sp.compile_first_working(
+        modes, lambda m: get("jacobian", m), (x0, leaves)
+    )
+    tracker = sp.Tracker(re, callback, progress, f"least_squares ({method})")
+
+    def fun(x):
+        out = np.array(res_fn(x, leaves))
+        cost = 0.5 * float(out @ out)
+        if not np.isfinite(cost):
+            jac = np.asarray(jac_fn(x, leaves))
+            where = f"call {tracker.n_calls + 1} (iteration {len(tracker.history)})"
+            raise sp.NonFinite(
+                sp.nonfinite_message(
+                    f"The residuals are non-finite ({int((~np.isfinite(out)).sum())} entries)",
+                    where,
+                    x,
+                    np.where(np.isfinite(jac), 0.0, np.nan).sum(0),
+                    re,
+                )
+            )
+        tracker.seen(x, cost)
+        return out
+
+    def jac(x, *_):
+        out = np.array(jac_fn(x, leaves))
+        if not np.isfinite(out).all():
+            where = f"iteration {len(tracker.history) + 1}"
+            raise sp.NonFinite(
+                sp.nonfinite_message(
+                    "The Jacobian is non-finite",
+                    where,
+                    x,
+                    np.where(np.isfinite(out), 0.0, np.nan).sum(0),
+                    re,
+                )
+            )
+        # SciPy asks for the Jacobian once per iteration, at the accepted point.
+        same = tracker.last_x is not None and np.array_equal(x, tracker.last_x)
+        tracker.iteration(
+            x, tracker.last_f if same else 0.5 * float(np.sum(fun(x) ** 2))
+        )
+        return out
+
+    try:
+        res = scipy.optimize.least_squares(
+            fun,
+            x0,
+            jac=jac,
+            method=method,
+            bounds=lb_ub if lb_ub is not None else (-np.inf, np.inf),
+            **kwargs,
+        )
+        x, value, status, message = (
+            res.x,
+            float(res.cost),
+            _status(res),
+            str(res.message),
+        )
+    except KeyboardInterrupt:
+        res, status, message = (
+            None,
+            "interrupted",
+            "Interrupted (Ctrl-C); `p` is the best point seen.",
+        )
+    except sp.NonFinite as e:
+        res, status, message = None, "nonfinite", e.message
+    finally:
+        tracker.close()
+    if res is None:
+        x = tracker.best_x if tracker.best_x is not None else x0
+        value = float(tracker.best_f)
+    p = jnp.asarray(np.asarray(x, dtype=np.float64))
+    return FitResult(
+        model=re(p),
+        p=p,
+        loss=value,
+        status=status,  # pyright: ignore[reportArgumentType]
+        message=f"{message} (Jacobian: {used} mode)",
+        history=np.asarray(tracker.history),
+        n_steps=len(tracker.history),
+        raw=res,
+    )
+
+
+def _build(kind: str, residuals, re, rebuild, mode: str) -> Callable:
+    def r(x, leaves):
+        out = jnp.ravel(residuals(re(x), *rebuild(leaves)))
+        sp.check_float64(out, "The residuals")
+        return out
+
+    if kind == "residuals":
+        return r
+    jacobian = jax.jacfwd if mode == "forward" else jax.jacrev
+    return lambda x, leaves: jacobian(lambda x: r(x, leaves))(x)

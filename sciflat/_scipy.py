@@ -1,0 +1,263 @@
+"""`scipy.optimize.minimize` on a model: one compiled value-and-gradient call per step."""
+
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import scipy.optimize
+from jaxtyping import Array, Float, PyTree, Scalar
+
+from . import _scipy_problem as sp
+from ._result import FitResult, Status
+from ._scipy_bounds import flat_bounds
+
+
+_M = TypeVar("_M")
+
+_GRADIENT_FREE = {"nelder-mead", "powell", "cobyla", "cobyqa"}
+_HESSP = {"newton-cg", "trust-ncg", "trust-krylov", "trust-constr"}
+_HESS = {"dogleg", "trust-exact"}
+_BOUNDED = {
+    "nelder-mead",
+    "powell",
+    "l-bfgs-b",
+    "tnc",
+    "slsqp",
+    "trust-constr",
+    "cobyla",
+    "cobyqa",
+}
+_METHODS = _GRADIENT_FREE | _HESSP | _HESS | _BOUNDED | {"cg", "bfgs"}
+_OURS = ("fun", "x0", "jac", "hess", "hessp", "args")
+
+
+def _check_method(method: str, bounds) -> str:
+    name = method.lower() if isinstance(method, str) else method
+    if name not in _METHODS:
+        raise ValueError(f"`method` must be one of {sorted(_METHODS)}, got {method!r}.")
+    if bounds is not None and name not in _BOUNDED:
+        raise ValueError(
+            f"`method={method!r}` does not take bounds; use one of {sorted(_BOUNDED)}."
+        )
+    return name
+
+
+def _status(res) -> Status:
+    if res.success:
+        return "converged"
+    if "maxim" in str(res.message).lower() or "max" in str(res.message).lower().split():
+        return "max_steps"
+    return "failed"
+
+
+def minimize(
+    loss: Callable[..., Scalar],
+    model: _M,
+    *args: Any,
+    method: str = "L-BFGS-B",
+    bounds: Mapping | tuple | None = None,
+    mode: sp.Mode = "auto",
+    x0: Float[Array, " n"] | None = None,
+    filter_spec: PyTree = True,
+    callback: Callable[[_M, float], None] | None = None,
+    progress: bool = True,
+    tol: float | None = None,
+    options: dict | None = None,
+    **kwargs: Any,
+) -> FitResult[_M]:
+    """Minimises `loss(model, *args)` over the model's parameters with SciPy.
+
+    The model is flattened with `sciflat.destructure(model, dtype=jnp.float64)` (SciPy
+    works in float64, so JAX's 64-bit mode must be on). SciPy receives the value and
+    gradient from ONE jit-compiled call, compiled once, as float64 NumPy arrays; the
+    gradient is by forward mode (`jax.jacfwd`) for at most 16 parameters and by
+    reverse mode otherwise (`mode`), falling back to the other mode if the loss
+    cannot be differentiated that way (e.g. a Diffrax solve: forward mode needs
+    `adjoint=diffrax.ForwardMode()`, reverse mode any other adjoint).
+    Newton-CG, trust-ncg, trust-krylov and trust-constr get a Hessian-vector product
+    (forward over the gradient); dogleg and trust-exact the Hessian. Ctrl-C returns
+    the best point so far (status `"interrupted"`); a non-finite loss or gradient
+    stops with the best finite point and names the leaves (status `"nonfinite"`).
+
+    !!! Example
+
+        ```python
+        result = sciflat.minimize(lambda m, x, y: jnp.mean((m(x) - y) ** 2), model, x, y,
+                                  bounds={lambda m: m.rates: (0.0, None)})
+        result.model, result.loss, result.raw  # fitted model, loss, SciPy's result
+        ```
+
+    **Arguments:**
+
+    - `loss`: `loss(model, *args) -> scalar`.
+    - `model`: the starting model (or a float64 `Restructure`, with `x0`).
+    - `*args`: data for `loss`; array leaves are passed to the compiled call, the rest
+        is static.
+    - `method`: any method of `scipy.optimize.minimize`.
+    - `bounds`: per leaf: a dict `{where: (lower, upper)}` (`where` a path as in
+        `re.paths` or `lambda m: m.leaf`; each side None, a number or an array of the
+        leaf's shape), or a pair `(lower, upper)` of model-shaped pytrees.
+    - `mode`: `"auto"`, `"forward"` or `"reverse"`: how the gradient is computed.
+    - `x0`: start from this flat vector instead of the model's parameters.
+    - `filter_spec`: which leaves are trainable, as in `sciflat.destructure`.
+    - `callback`: `callback(model, loss)` after every iteration.
+    - `progress`: show a progress bar with the iteration and loss.
+    - `tol`, `options`, `**kwargs`: passed to `scipy.optimize.minimize`.
+
+    **Returns:**
+
+    A [`sciflat.FitResult`][]; `raw` is SciPy's `OptimizeResult` (None when stopped).
+    """
+    if clash := [k for k in _OURS if k in kwargs]:
+        raise TypeError(f"`minimize` computes {clash} itself; do not pass them.")
+    name = _check_method(method, bounds)
+    x0, re = sp.start(model, x0, filter_spec, "minimize")
+    scipy_bounds = flat_bounds(bounds, re, x0)
+    leaves, rebuild = sp.split_args(args)
+
+    tracker = sp.Tracker(re, callback, progress, f"minimize ({method})")
+    fun, used, extra = _objective((loss, re, rebuild), name, mode, x0, leaves, tracker)
+    message = ""
+    try:
+        res = scipy.optimize.minimize(
+            fun,
+            x0,
+            method=method,
+            bounds=_as_scipy(scipy_bounds),
+            tol=tol,
+            options=options,
+            callback=_scipy_callback(fun, tracker),
+            **extra,
+            **kwargs,
+        )
+        x, value, status, n = (
+            res.x,
+            float(res.fun),
+            _status(res),
+            int(res.get("nit", len(tracker.history))),
+        )
+        message = str(res.message)
+    except KeyboardInterrupt:
+        res, status, message = (
+            None,
+            "interrupted",
+            "Interrupted (Ctrl-C); `p` is the best point seen.",
+        )
+    except sp.NonFinite as e:
+        res, status, message = None, "nonfinite", e.message
+    finally:
+        tracker.close()
+    if res is None:
+        x = tracker.best_x if tracker.best_x is not None else x0
+        value, n = float(tracker.best_f), len(tracker.history)
+    p = jnp.asarray(np.asarray(x, dtype=np.float64))
+    return FitResult(
+        model=re(p),
+        p=p,
+        loss=value,
+        status=status,  # pyright: ignore[reportArgumentType]
+        message=f"{message} (gradient: {used})",
+        history=np.asarray(tracker.history),
+        n_steps=n,
+        raw=res,
+    )
+
+
+def _as_scipy(bounds):
+    return None if bounds is None else scipy.optimize.Bounds(*bounds)
+
+
+def _build(kind: str, loss, re, rebuild, mode: str) -> Callable:
+    def f(x, leaves):
+        out = loss(re(x), *rebuild(leaves))
+        if jnp.shape(out) != ():
+            raise ValueError(
+                f"`loss` must return a scalar, got shape {jnp.shape(out)}."
+            )
+        sp.check_float64(out, "The loss")
+        return out
+
+    grad = lambda x, leaves: sp.gradient(lambda x: f(x, leaves), mode)(x)
+    if kind == "value":
+        return f
+    if kind == "value_and_grad":
+        return lambda x, leaves: sp.value_and_grad_flat(lambda x: f(x, leaves), mode)(x)
+    if kind == "hessp":
+        return lambda x, v, leaves: jax.jvp(lambda x: grad(x, leaves), (x,), (v,))[1]
+    return lambda x, leaves: jax.jacfwd(lambda x: grad(x, leaves))(x)
+
+
+def _objective(problem, name: str, mode, x0, leaves, tracker: sp.Tracker):
+    """SciPy's `fun` (and `hess`/`hessp`), compiled once, and the gradient mode."""
+    re = problem[1]
+    get = lambda kind, mode: sp.jitted(kind, _build, *problem, mode)
+    example = (x0, leaves)
+    if name in _GRADIENT_FREE:
+        value = get("value", "none")
+        value.lower(*example)
+
+        def fun(x):
+            v = np.asarray(value(x, leaves))
+            if not np.isfinite(v):
+                where = f"call {tracker.n_calls + 1} (iteration {len(tracker.history)})"
+                raise sp.NonFinite(
+                    sp.nonfinite_message(f"The loss is {v}", where, x, None, re)
+                )
+            tracker.seen(x, float(v))
+            return v
+
+        return fun, "none, gradient-free method", {}
+
+    modes = sp.choose_modes(mode, len(re) <= sp.FORWARD_MAX_PARAMS)
+    both, used = sp.compile_first_working(
+        modes, lambda m: get("value_and_grad", m), example
+    )
+
+    def fun(x):
+        out = np.asarray(both(x, leaves))
+        value, grad = out[0], out[1:]
+        if not np.isfinite(out).all():
+            where = f"call {tracker.n_calls + 1} (iteration {len(tracker.history)})"
+            what = (
+                f"The loss is {value}"
+                if not np.isfinite(value)
+                else "The gradient is non-finite"
+            )
+            raise sp.NonFinite(sp.nonfinite_message(what, where, x, grad, re))
+        tracker.seen(x, value)
+        return value, grad
+
+    extra: dict[str, Any] = {"jac": True}
+    if name in _HESSP:
+        hvp = get("hessp", used)
+        # trust-constr may hand over an integer `v`; ints are exact in float64.
+        extra["hessp"] = lambda x, v: np.asarray(
+            hvp(x, np.asarray(v, np.float64), leaves)
+        )
+    elif name in _HESS:
+        hess = get("hess", used)
+        extra["hess"] = lambda x: np.asarray(hess(x, leaves))
+    return fun, f"{used} mode", extra
+
+
+def _scipy_callback(fun, tracker: sp.Tracker):
+    # One parameter named `intermediate_result`: SciPy then passes an OptimizeResult
+    # (with `fun`) for every method that can; TNC, COBYLA and COBYQA pass `x`.
+    def callback(intermediate_result):
+        if isinstance(intermediate_result, scipy.optimize.OptimizeResult):
+            x, value = intermediate_result.x, intermediate_result.get("fun")
+        else:
+            x, value = intermediate_result, None
+        x = np.asarray(x, dtype=np.float64)
+        if value is None:
+            same = tracker.last_x is not None and np.array_equal(x, tracker.last_x)
+            if not same:
+                out = fun(x)
+                value = out[0] if isinstance(out, tuple) else out
+            else:
+                value = tracker.last_f
+        tracker.iteration(x, float(value))
+
+    return callback

@@ -1,0 +1,157 @@
+"""Bounds given in the model's own structure, turned into SciPy's flat `(lb, ub)`."""
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from ._flatten import Restructure
+
+
+def _bound_array(value, entry: dict, side: str, where: str) -> np.ndarray:
+    """One side of one leaf's bound as float64 of the leaf's `size` in `p`."""
+    default = -np.inf if side == "lower" else np.inf
+    if value is None:
+        return np.full(entry["size"], default)
+    try:
+        arr = np.asarray(value, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"`bounds` for `{where}` ({side}) must be None, a number or an array, got "
+            f"{type(value).__name__}."
+        ) from None
+    shape = tuple(entry["shape"])
+    complex_leaf = entry["size"] != int(np.prod(shape, dtype=int))
+    if arr.ndim == 0:
+        return np.full(entry["size"], float(arr))
+    if complex_leaf or arr.shape != shape:
+        raise ValueError(
+            f"`bounds` for `{where}` ({side}) must be a number or an array of the "
+            f"leaf's shape {shape}, got shape {arr.shape}"
+            + (" (a complex leaf takes scalar bounds only)." if complex_leaf else ".")
+        )
+    return arr.ravel()
+
+
+def _from_mapping(bounds: Mapping, re: Restructure, entries: dict) -> dict[str, tuple]:
+    out = {}
+    for where, pair in bounds.items():
+        name = where if isinstance(where, str) else getattr(where, "__name__", "where")
+        try:
+            sl = re.slice(where)
+        except (KeyError, ValueError) as e:
+            raise ValueError(
+                f"`bounds` key {name!r} does not pick a trainable leaf: {e}"
+            ) from None
+        if not (isinstance(pair, tuple) and len(pair) == 2):
+            raise TypeError(
+                f"`bounds[{name!r}]` must be a pair `(lower, upper)`, got {pair!r}."
+            )
+        entry = next(
+            e
+            for e in entries.values()
+            if (e["offset"], e["offset"] + e["size"]) == (sl.start, sl.stop)
+        )
+        if entry["path"] in out:
+            raise ValueError(f"`bounds` gives `{entry['path']}` twice (key {name!r}).")
+        out[entry["path"]] = pair
+    return out
+
+
+def _from_pytrees(bounds: tuple, model, entries: dict) -> dict[str, tuple]:
+    is_none = lambda x: x is None
+    want = jax.tree.structure(model, is_leaf=is_none)
+    sides = []
+    for side, tree in zip(("lower", "upper"), bounds, strict=True):
+        got = jax.tree.structure(tree, is_leaf=is_none)
+        if got != want:
+            raise ValueError(
+                f"`bounds` as `(lower, upper)` must be pytrees with the model's structure; "
+                f"the {side} one differs.\nexpected: {want}\ngot:      {got}\nOr give a "
+                "dict `{where: (lower, upper)}` for just the bounded leaves."
+            )
+        leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_none)[0]
+        sides.append({jax.tree_util.keystr(k): v for k, v in leaves})
+    out = {}
+    for path in sides[0]:
+        lo, hi = sides[0][path], sides[1][path]
+        if path in entries:
+            key = entries[path]["path"]
+            if key in out and not _same(out[key], (lo, hi)):
+                raise ValueError(
+                    f"`bounds` differ for `{path}` and `{key}`, which are the same (tied) "
+                    "array in `p`. Give them the same bounds."
+                )
+            out[key] = (lo, hi)
+        elif not all(_unbounded(v) for v in (lo, hi)):
+            raise ValueError(
+                f"`bounds` gives a finite bound for `{path}`, which is not in `p`."
+            )
+    return out
+
+
+def _unbounded(v) -> bool:
+    if v is None or callable(v) or isinstance(v, str | bool):
+        return True
+    try:
+        return bool(np.all(np.isinf(np.asarray(v, dtype=np.float64))))
+    except (TypeError, ValueError):
+        return True  # a non-numeric leaf of the model (an activation name...)
+
+
+def flat_bounds(
+    bounds: Mapping[str | Callable[[Any], Any], tuple] | tuple | None,
+    re: Restructure,
+    x0: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """SciPy's `(lb, ub)` for `bounds` given per leaf, checked against `x0`."""
+    if bounds is None:
+        return None
+    layout = [e for e in re.layout() if e["kind"] == "trainable"]
+    # Every position (ties included) maps to the entry of its first path.
+    first = {e["path"]: e for e in layout if e["tied_to"] is None}
+    entries = {e["path"]: first[e["tied_to"] or e["path"]] for e in layout}
+    if isinstance(bounds, Mapping):
+        per_leaf = _from_mapping(bounds, re, entries)
+    elif isinstance(bounds, tuple) and len(bounds) == 2:
+        per_leaf = _from_pytrees(bounds, re(jax.numpy.asarray(x0)), entries)
+    else:
+        raise TypeError(
+            "`bounds` must be a dict `{where: (lower, upper)}` (where: a leaf path or "
+            "`lambda m: m.leaf`) or a pair `(lower, upper)` of model-shaped pytrees, got "
+            f"{type(bounds).__name__}."
+        )
+    lb, ub = np.full(len(re), -np.inf), np.full(len(re), np.inf)
+    for path, (lo, hi) in per_leaf.items():
+        e = first[path]
+        sl = slice(e["offset"], e["offset"] + e["size"])
+        lb[sl] = _bound_array(lo, e, "lower", path)
+        ub[sl] = _bound_array(hi, e, "upper", path)
+    _check(lb, ub, x0, first)
+    return lb, ub
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    for x, y in zip(a, b, strict=True):
+        if (x is None) != (y is None):
+            return False
+        if x is not None and not np.array_equal(np.asarray(x), np.asarray(y)):
+            return False
+    return True
+
+
+def _check(lb, ub, x0, first: dict) -> None:
+    for path, e in first.items():
+        sl = slice(e["offset"], e["offset"] + e["size"])
+        if np.isnan(lb[sl]).any() or np.isnan(ub[sl]).any():
+            raise ValueError(f"`bounds` for `{path}` contain NaN.")
+        if (lb[sl] > ub[sl]).any():
+            raise ValueError(f"`bounds` for `{path}`: lower > upper at some entries.")
+        outside = (x0[sl] < lb[sl]) | (x0[sl] > ub[sl])
+        if outside.any():
+            i = int(np.argmax(outside))
+            raise ValueError(
+                f"The starting point is outside `bounds` at `{path}` (entry {i}: "
+                f"{x0[sl][i]} not in [{lb[sl][i]}, {ub[sl][i]}]). Start inside the bounds."
+            )
