@@ -250,12 +250,13 @@ def fit(
     batch_iter = None if batches is None else iter(batches)
     first = None if batch_iter is None else next(batch_iter, None)
     data = args if batch_iter is None else (first, *args)
+    copy = lambda: jnp.array(p, copy=True)  # `p` is donated, these two are not
+    fresh = _checkpoint.Carry(p, opt_state, copy(), None, copy(), 0, [])
+    carry = _start(checkpoint, resume, re, fresh)  # a checkpoint is checked first
     loss_out = jax.eval_shape(lambda q: loss(re(q), *data), p)
     _check_loss_output(loss_out)
-    inf = jnp.asarray(jnp.inf, loss_out.dtype)
-    copy = lambda: jnp.array(p, copy=True)  # `p` is donated, these two are not
-    fresh = _checkpoint.Carry(p, opt_state, copy(), inf, copy(), 0, [])
-    carry = _start(checkpoint, resume, re, fresh)
+    if carry.best_loss is None:
+        carry.best_loss = jnp.asarray(jnp.inf, loss_out.dtype)
     step = _make_step(loss, re, optimizer, static_args, _reuses_value(opt_state))
     if batch_iter is None:
         feed = itertools.repeat(None)

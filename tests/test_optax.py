@@ -1,0 +1,368 @@
+"""`sciflat.fit`: the Optax loop on the flat vector, its dtypes, stops and checkpoints."""
+
+import os
+import re as regex
+import signal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import sciflat
+from helpers import inexact_dtypes
+from sciflat._optax import _make_step, _reuses_value, _strong
+
+
+# A linear least-squares problem: tiny to compile, with a closed-form answer.
+T = np.linspace(-1.0, 1.0, 6)
+X = np.stack([T, T**2], axis=1)
+Y = X @ np.array([1.5, -2.0]) + 0.25
+
+
+def loss(model, x, y):
+    return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+
+def linear(dtype=jnp.float64):
+    return eqx.nn.Linear(2, "scalar", key=jax.random.key(0), dtype=dtype)
+
+
+def xy(dtype=jnp.float64):
+    return jnp.asarray(X, dtype), jnp.asarray(Y, dtype)
+
+
+OPTIMIZERS = {
+    "adam": lambda: optax.adam(1e-2),
+    "adamw": lambda: optax.adamw(1e-2),
+    "lbfgs": lambda: optax.lbfgs(),
+    "sgd_schedule": lambda: optax.sgd(optax.exponential_decay(0.1, 10, 0.5)),
+}
+
+
+def float_avals(jaxpr) -> set[str]:
+    """Every floating type a jaxpr computes with, e.g. {'f64[2]', 'f64[]'}."""
+    return set(regex.findall(r"(?:bf16|f16|f32|f64)\[[0-9,]*\]", str(jaxpr)))
+
+
+def hand_loop(model, optimizer, n, dtype=jnp.float64):
+    """What the docs show: a loop with nothing but `destructure`."""
+    p, re = sciflat.destructure(model, dtype=dtype)
+    x, y = xy(dtype)
+    state = optimizer.init(p)
+
+    @jax.jit
+    def step(p, state):
+        value, grad = jax.value_and_grad(lambda p: loss(re(p), x, y))(p)
+        updates, state = optimizer.update(grad, state, p)
+        return optax.apply_updates(p, updates), state, value
+
+    history = []
+    for _ in range(n):
+        p, state, value = step(p, state)
+        history.append(float(value))
+    return p, np.array(history)
+
+
+def interrupt_at(k):
+    def callback(step, value, model):
+        if step == k:
+            raise KeyboardInterrupt
+
+    return callback
+
+
+def three_runs(tmp_path_factory, name):
+    """A float32-initialised model trained in float64 for 12 steps: uninterrupted, then
+    interrupted at step 6 with a checkpoint, then resumed from it. Traces counted."""
+    path = tmp_path_factory.mktemp(name) / "ckpt.npz"
+    runs, traces = {}, {}
+    for run, extra in [
+        ("full", {}),
+        ("part", dict(checkpoint=path, checkpoint_every=4, callback=interrupt_at(6))),
+        ("rest", dict(checkpoint=path, resume=True)),
+    ]:
+        count = []
+        counting = lambda m, x, y, count=count: (count.append(1), loss(m, x, y))[1]
+        runs[run] = sciflat.fit(
+            counting, linear(jnp.float32), OPTIMIZERS[name](), steps=12, args=xy(),
+            dtype=jnp.float64, progress=False, **extra,
+        )  # fmt: skip
+        traces[run] = len(count)
+    return runs, traces
+
+
+@pytest.fixture(scope="module")
+def adam_runs(tmp_path_factory):
+    return three_runs(tmp_path_factory, "adam")
+
+
+@pytest.fixture(scope="module")
+def lbfgs_runs(tmp_path_factory):
+    return three_runs(tmp_path_factory, "lbfgs")
+
+
+#
+# Results against references
+#
+
+
+def test_fit_equals_the_hand_written_loop(adam_runs):
+    result = adam_runs[0]["full"]
+    p, history = hand_loop(linear(jnp.float32), OPTIMIZERS["adam"](), 12)
+    assert result.status == "max_steps" and result.n_steps == 12
+    np.testing.assert_allclose(result.history, history, rtol=1e-13)
+    np.testing.assert_allclose(result.p, p, rtol=1e-13)
+    assert result.loss == pytest.approx(float(loss(result.model, *xy())), rel=1e-14)
+    assert result.history[-1] < result.history[0]
+
+
+def test_lbfgs_reaches_the_least_squares_solution(lbfgs_runs):
+    result = lbfgs_runs[0]["full"]
+    A = np.hstack([X, np.ones((6, 1))])
+    coef = np.linalg.lstsq(A, Y, rcond=None)[0]
+    got = np.append(np.asarray(result.model.weight), result.model.bias)
+    np.testing.assert_allclose(got, coef, rtol=1e-10)
+    assert result.loss < 1e-20
+
+
+def test_compiled_once(adam_runs, lbfgs_runs):
+    # `loss` is traced per compilation, not per step: 12 steps cost what 6 steps cost.
+    for _, traces in (adam_runs, lbfgs_runs):
+        assert traces["full"] == traces["rest"]
+
+
+def test_batches_one_per_step_resume_and_running_out(tmp_path):
+    path = tmp_path / "ckpt.npz"
+    x, y = xy()
+    batches = [(x[i % 6 : i % 6 + 2], y[i % 6 : i % 6 + 2]) for i in range(0, 16, 2)]
+    batch_loss = lambda m, b: loss(m, *b)
+    kwargs = dict(batches=batches, progress=False)
+    full = sciflat.fit(batch_loss, linear(), optax.sgd(0.1), **kwargs)
+    assert full.status == "max_steps" and full.n_steps == 8
+    assert "ran out after 8 steps" in full.message
+    p, re = sciflat.destructure(linear())
+    for b in batches:  # plain SGD by hand, batch by batch
+        p = p - 0.1 * jax.grad(lambda p, b=b: loss(re(p), *b))(p)
+    np.testing.assert_allclose(full.p, p, rtol=1e-13)
+    # Stopped by `steps` at 5, resumed: the batches of the steps done are skipped.
+    sciflat.fit(
+        batch_loss, linear(), optax.sgd(0.1), steps=5, checkpoint=path, **kwargs
+    )
+    rest = sciflat.fit(
+        batch_loss, linear(), optax.sgd(0.1), checkpoint=path, resume=True, **kwargs
+    )
+    assert rest.n_steps == 8
+    np.testing.assert_array_equal(rest.history, full.history)
+    np.testing.assert_array_equal(rest.p, full.p)
+
+
+def test_progress_bar_shows_the_loss(capsys):
+    sciflat.fit(loss, linear(), optax.adam(1e-2), steps=3, args=xy(), progress=True)
+    assert "loss=" in capsys.readouterr().err
+
+
+#
+# The dtype rule through Optax
+#
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_float64_step_computes_in_float64_only(name):
+    optimizer = OPTIMIZERS[name]()
+    p, re = sciflat.destructure(linear(jnp.float32), dtype=jnp.float64)
+    state = _strong(optimizer.init(p), p.dtype)
+    step = _make_step(loss, re, optimizer, (None, None), _reuses_value(state))
+    args = (p, state, p, jnp.asarray(jnp.inf), p, None, xy())
+    avals = float_avals(jax.make_jaxpr(step)(*args))
+    out = jax.eval_shape(step, *args)
+    (new_p, new_state, *_), value, *_ = out
+    assert new_p.dtype == value.dtype == jnp.float64
+    assert inexact_dtypes(new_state) <= {np.dtype(np.float64)}
+    if name == "sgd_schedule":
+        # Optax's schedules compute the learning rate in float32 (0.1 becomes
+        # 0.10000000149); it is a scalar, cast to float64 before it meets an update.
+        assert {a for a in avals if not a.startswith("f64")} <= {"f32[]"}
+    else:
+        assert all(a.startswith("f64") for a in avals), avals
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd_schedule"])
+def test_float32_model_trained_in_float64_is_float64_throughout(name):
+    result = sciflat.fit(
+        loss,
+        linear(jnp.float32),
+        OPTIMIZERS[name](),
+        steps=3,
+        args=xy(),
+        dtype=jnp.float64,
+        progress=False,
+    )
+    assert result.p.dtype == jnp.float64
+    assert inexact_dtypes(result.model) == {np.dtype(np.float64)}
+    assert inexact_dtypes(result.raw) <= {np.dtype(np.float64)}
+    assert np.isfinite(result.loss)
+
+
+def test_float32_model_trained_in_float64_adam_and_lbfgs(adam_runs, lbfgs_runs):
+    for runs, _ in (adam_runs, lbfgs_runs):
+        for result in runs.values():
+            assert result.p.dtype == jnp.float64
+            assert inexact_dtypes(result.model) == {np.dtype(np.float64)}
+            assert inexact_dtypes(result.raw) <= {np.dtype(np.float64)}
+
+
+#
+# Stops: non-finite, Ctrl-C, callback
+#
+
+
+def sqrt_loss(model):
+    # `b` walks down under SGD until sqrt(b) is NaN; `w` stays finite throughout.
+    return jnp.sum(model["w"] ** 2) + jnp.sqrt(model["b"][0])
+
+
+def test_nonfinite_stops_with_step_leaf_and_last_finite_point(capsys):
+    model = {"w": jnp.ones(2), "b": jnp.array([0.5])}
+    result = sciflat.fit(sqrt_loss, model, optax.sgd(0.3), steps=50, progress=False)
+    assert capsys.readouterr().err == ""  # progress=False: silent
+    assert result.status == "nonfinite"
+    k = result.n_steps
+    assert 0 < k < 50 and len(result.history) == k
+    assert f"at step {k}" in result.message
+    assert "`['b']`" in result.message and "`['w']`" not in result.message
+    # The returned point is the last one whose loss was finite: step k - 1, by hand too.
+    p, re = sciflat.destructure(model)
+    for _ in range(k - 1):
+        p = p - 0.3 * jax.grad(lambda p: sqrt_loss(re(p)))(p)
+    np.testing.assert_allclose(result.p, p, rtol=1e-13)
+    assert result.loss == result.history[-1] == pytest.approx(float(sqrt_loss(re(p))))
+
+
+def test_nonfinite_from_the_start_names_the_leaf():
+    model = {"w": jnp.ones(2), "b": jnp.array([-1.0])}
+    result = sciflat.fit(sqrt_loss, model, optax.sgd(0.3), steps=5, progress=False)
+    assert result.status == "nonfinite" and result.n_steps == 0
+    assert "at step 0" in result.message and "`['b']`" in result.message
+    np.testing.assert_array_equal(result.p, sciflat.destructure(model)[0])
+
+
+def test_ctrl_c_returns_the_best_point_so_far():
+    result = sciflat.fit(
+        loss, linear(), optax.sgd(0.9), steps=100, args=xy(), progress=False,
+        callback=interrupt_at(6),
+    )  # fmt: skip
+    assert result.status == "interrupted" and result.n_steps == 6
+    assert "Interrupted" in result.message
+    assert result.loss == min(result.history)
+    assert float(loss(result.model, *xy())) == pytest.approx(result.loss, rel=1e-14)
+
+
+def test_real_sigint_stops_after_the_current_step():
+    def callback(step, value, model):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    result = sciflat.fit(
+        loss, linear(), optax.adam(1e-2), steps=100, args=xy(), progress=False,
+        callback=callback,
+    )  # fmt: skip
+    assert result.status == "interrupted" and result.n_steps == 3
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_callback_sees_the_model_and_can_stop():
+    seen = []
+
+    def callback(step, value, model):
+        seen.append((step, value, float(loss(model, *xy()))))
+        return step == 4
+
+    result = sciflat.fit(
+        loss, linear(), optax.adam(1e-2), steps=100, args=xy(), progress=False,
+        callback=callback,
+    )  # fmt: skip
+    assert result.status == "converged" and result.n_steps == 4
+    assert [s for s, _, _ in seen] == [1, 2, 3, 4]
+    # The callback's model is the one after step k, whose loss history records next.
+    assert seen[0][2] == pytest.approx(result.history[1], rel=1e-14)
+
+
+#
+# Checkpoints
+#
+
+
+def test_resume_equals_an_uninterrupted_run_bit_for_bit(adam_runs, lbfgs_runs):
+    for runs, _ in (adam_runs, lbfgs_runs):
+        full, part, rest = runs["full"], runs["part"], runs["rest"]
+        assert part.status == "interrupted" and "checkpoint written" in part.message
+        assert part.n_steps == 6 and rest.status == "max_steps" and rest.n_steps == 12
+        np.testing.assert_array_equal(rest.history, full.history)
+        np.testing.assert_array_equal(rest.p, full.p)
+        assert jax.tree.all(jax.tree.map(np.array_equal, rest.raw, full.raw))
+
+
+def test_checkpoint_is_a_loadable_model_file(tmp_path):
+    path = tmp_path / "ckpt.npz"
+    result = sciflat.fit(
+        loss, linear(), optax.adam(1e-2), steps=5, args=xy(), progress=False,
+        checkpoint=path, checkpoint_every=2,
+    )  # fmt: skip
+    np.testing.assert_array_equal(
+        sciflat.load(path, sciflat.destructure(linear())[1]), result.p
+    )
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.npz"]  # no temp files left
+
+
+def test_a_crash_while_writing_keeps_the_previous_checkpoint(
+    tmp_path, monkeypatch, adam_runs
+):
+    path = tmp_path / "ckpt.npz"
+    writes = []
+    real_savez = np.savez
+
+    def failing_savez(f, **arrays):
+        writes.append(1)
+        if len(writes) == 2:
+            f.write(b"half a file")
+            raise OSError("disk full")
+        real_savez(f, **arrays)
+
+    monkeypatch.setattr(np, "savez", failing_savez)
+    kwargs = dict(
+        steps=12, args=xy(), dtype=jnp.float64, progress=False, checkpoint=path
+    )
+    with pytest.raises(OSError, match="disk full"):
+        sciflat.fit(
+            loss,
+            linear(jnp.float32),
+            OPTIMIZERS["adam"](),
+            checkpoint_every=2,
+            **kwargs,
+        )
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == [
+        "ckpt.npz"
+    ]  # step 2's, intact; no temp file
+    rest = sciflat.fit(
+        loss, linear(jnp.float32), OPTIMIZERS["adam"](), resume=True, **kwargs
+    )
+    np.testing.assert_array_equal(rest.history, adam_runs[0]["full"].history)
+
+
+def test_an_existing_checkpoint_is_never_overwritten_silently(tmp_path):
+    path = tmp_path / "ckpt.npz"
+    kwargs = dict(steps=2, args=xy(), progress=False, checkpoint=path)
+    sciflat.fit(loss, linear(), optax.adam(1e-2), **kwargs)
+    with pytest.raises(ValueError, match=r"already exists.*resume=True"):
+        sciflat.fit(loss, linear(), optax.adam(1e-2), **kwargs)
+    with pytest.raises(ValueError, match="optimiser the checkpoint was written with"):
+        sciflat.fit(loss, linear(), optax.sgd(0.1), resume=True, **kwargs)
+    no_bias = eqx.nn.Linear(2, "scalar", use_bias=False, key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"first extra one is `\.bias`"):
+        sciflat.fit(loss, no_bias, optax.adam(1e-2), resume=True, **kwargs)
+    again = sciflat.fit(loss, linear(), optax.adam(1e-2), resume=False, **kwargs)
+    assert again.n_steps == 2
