@@ -200,20 +200,25 @@ def check_layout(found: list[dict], re: Restructure, path) -> None:
     expected = re.layout()
     for want, got in zip(expected, found, strict=False):
         if _key(want) != _key(got):
-            where = want["path"] if want["path"] == got["path"] else None
+            same = want["path"] == got["path"]
+            at = (
+                f"leaf `{want['path']}`" if same else f"leaf `{want['path']}` of `like`"
+            )
             raise ValueError(
-                f"{os.fspath(path)!r} does not fit the skeleton"
-                + (f" at leaf `{where}`" if where else "")
-                + f": expected `{want['path']}` {_describe(want)}, found `{got['path']}` "
-                f"{_describe(got)} in the file."
+                f"{os.fspath(path)!r} does not fit `like` at {at}: expected "
+                f"{_describe(want)}, found "
+                + ("" if same else f"`{got['path']}` ")
+                + f"{_describe(got)} in the file."
             )
     if len(expected) != len(found):
         extra, side = (
-            (found, "file") if len(found) > len(expected) else (expected, "skeleton")
+            (found, "file")
+            if len(found) > len(expected)
+            else (expected, "model `like`")
         )
         leaf = extra[min(len(expected), len(found))]
         raise ValueError(
-            f"{os.fspath(path)!r} does not fit the skeleton: the {side} has "
+            f"{os.fspath(path)!r} does not fit `like`: the {side} has "
             f"{len(extra)} array leaves, the other {min(len(expected), len(found))}; "
             f"the first extra one is `{leaf['path']}` {_describe(leaf)}."
         )

@@ -1,0 +1,198 @@
+"""`sciflat.save` / `sciflat.load`: round trips, an inspectable file, refusals."""
+
+import json
+import os
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sciflat
+from helpers import Tied, edge_models, inexact_dtypes, tree_allclose
+
+
+EDGE = edge_models()
+
+
+def read_raw(path):
+    """What any NumPy user sees in the file, without sciflat."""
+    with np.load(path, allow_pickle=False) as z:
+        return json.loads(str(z["sciflat_header"])), {k: z[k] for k in z.files}
+
+
+@pytest.mark.parametrize("name", EDGE)
+def test_round_trip_every_edge_model(tmp_path, name):
+    model, _ = EDGE[name]
+    p, re = sciflat.destructure(model)
+    path = tmp_path / "m.npz"
+    sciflat.save(path, model)
+    loaded = sciflat.load(path, model)
+    assert tree_allclose(loaded, re(p), rtol=0, atol=0)
+    assert inexact_dtypes(loaded) == inexact_dtypes(re(p))
+    # Against the `re` instead of the model: `p` itself, bit for bit.
+    p2 = sciflat.load(path, re)
+    assert p2.dtype == p.dtype
+    np.testing.assert_array_equal(p2, p)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64, jnp.bfloat16])
+def test_round_trip_keeps_the_dtype_of_p(tmp_path, dtype):
+    model, _ = EDGE["tied_identity"]
+    p, re = sciflat.destructure(model, dtype=dtype)
+    p = p + jnp.asarray(1 / 3, dtype)  # not exactly representable: rounding would show
+    sciflat.save(tmp_path / "m.npz", p, re)
+    got = sciflat.load(tmp_path / "m.npz", re)
+    assert got.dtype == dtype
+    np.testing.assert_array_equal(
+        np.asarray(got, np.float64), np.asarray(p, np.float64)
+    )
+
+
+def test_frozen_leaves_round_trip_with_their_filter_spec(tmp_path):
+    model = EDGE["mlp_float32"][0]
+    filter_spec = lambda x: eqx.is_array(x) and x.ndim == 2  # biases frozen
+    p, re = sciflat.destructure(model, filter_spec)
+    sciflat.save(tmp_path / "m.npz", p * 2, re)
+    loaded = sciflat.load(tmp_path / "m.npz", model, filter_spec=filter_spec)
+    assert tree_allclose(loaded, re(p * 2), rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"`\.layers\[0\]\.bias`.*trainable.*frozen"):
+        sciflat.load(tmp_path / "m.npz", model)  # saved with biases frozen
+
+
+def test_the_file_is_plain_npz_with_a_readable_header(tmp_path):
+    model, _ = EDGE["tied_identity"]
+    sciflat.save(tmp_path / "m.npz", model)
+    head, arrays = read_raw(tmp_path / "m.npz")
+    assert set(arrays) == {"p", "sciflat_header"}
+    assert head["format"] == "sciflat" and head["format_version"] == 1
+    assert head["sciflat_version"] == sciflat.__version__
+    leaves = {leaf["path"]: leaf for leaf in head["leaves"]}
+    assert leaves[".b.weight"]["tied_to"] == ".a.weight"
+    assert head["dtype"] == str(model.a.weight.dtype)
+    assert leaves[".a.weight"] == {
+        "path": ".a.weight", "kind": "trainable", "shape": [1, 1], "dtype": head["dtype"],
+        "offset": 0, "size": 1, "tied_to": None,
+    }  # fmt: skip
+    np.testing.assert_array_equal(arrays["p"], sciflat.destructure(model)[0])
+
+
+#
+# Refusals
+#
+
+
+def test_another_architecture_names_the_first_differing_leaf(tmp_path):
+    key = jax.random.key(0)
+    sciflat.save(tmp_path / "m.npz", eqx.nn.MLP(2, 1, 8, 1, key=key))
+    wider = r"leaf `\.layers\[0\]\.weight`: expected trainable \w+\[9, 2\], found .*\[8, 2\]"
+    with pytest.raises(ValueError, match=wider):
+        sciflat.load(tmp_path / "m.npz", eqx.nn.MLP(2, 1, 9, 1, key=key))
+    deeper = r"leaf `\.layers\[1\]\.weight`: expected trainable \w+\[8, 8\]"
+    with pytest.raises(ValueError, match=deeper):
+        sciflat.load(tmp_path / "m.npz", eqx.nn.MLP(2, 1, 8, 2, key=key))
+
+
+def test_an_extra_or_missing_leaf_is_named(tmp_path):
+    sciflat.save(tmp_path / "m.npz", {"w": jnp.ones(2)})
+    with pytest.raises(
+        ValueError, match=r"`like` has 2 array leaves.*one is `\['z'\]`"
+    ):
+        sciflat.load(tmp_path / "m.npz", {"w": jnp.ones(2), "z": jnp.ones(1)})
+    with pytest.raises(ValueError, match=r"file has 1 array leaves.*one is `\['w'\]`"):
+        sciflat.load(tmp_path / "m.npz", {})
+
+
+def test_a_tie_that_differs_is_refused(tmp_path):
+    key1, key2 = jax.random.split(jax.random.key(0))
+    lin = eqx.nn.Linear(1, 1, key=key1)
+    sciflat.save(tmp_path / "m.npz", Tied(lin, lin))
+    untied = Tied(lin, eqx.nn.Linear(1, 1, key=key2))
+    with pytest.raises(
+        ValueError, match=r"`\.b\.weight`.*found.*tied to `\.a\.weight`"
+    ):
+        sciflat.load(tmp_path / "m.npz", untied)
+
+
+def test_complex_and_real_are_not_interchangeable(tmp_path):
+    model, _ = EDGE["complex_leaf"]
+    sciflat.save(tmp_path / "m.npz", model)
+    real = eqx.tree_at(lambda m: m.z, model, jnp.ones(2))
+    with pytest.raises(ValueError, match=r"`\.z`.*float64\[2\].*complex128\[2\]"):
+        sciflat.load(tmp_path / "m.npz", real)
+
+
+def test_another_dtype_is_an_explicit_choice(tmp_path):
+    model64 = eqx.nn.Linear(2, 1, key=jax.random.key(0))
+    model32 = eqx.nn.Linear(2, 1, key=jax.random.key(0), dtype=jnp.float32)
+    sciflat.save(tmp_path / "m.npz", model64)
+    with pytest.raises(
+        TypeError, match=r"float64 parameters.*float32.*dtype=jnp.float64"
+    ):
+        sciflat.load(tmp_path / "m.npz", model32)
+    as64 = sciflat.load(tmp_path / "m.npz", model32, dtype=jnp.float64)
+    as32 = sciflat.load(tmp_path / "m.npz", model32, dtype=jnp.float32)
+    assert inexact_dtypes(as64) == {np.dtype(np.float64)}
+    assert inexact_dtypes(as32) == {np.dtype(np.float32)}
+    assert tree_allclose(as64, model64, rtol=0, atol=0)
+    np.testing.assert_array_equal(as32.weight, model64.weight.astype(np.float32))
+
+
+def test_float64_file_with_x64_off_says_how_to_fix(tmp_path, x64_off):
+    with jax.enable_x64(True):
+        sciflat.save(tmp_path / "m.npz", eqx.nn.Linear(2, 1, key=jax.random.key(0)))
+    model32 = eqx.nn.Linear(2, 1, key=jax.random.key(0))  # float32 with x64 off
+    with pytest.raises(TypeError, match="float64 parameters"):
+        sciflat.load(tmp_path / "m.npz", model32)
+    with pytest.raises(TypeError, match="jax_enable_x64"):
+        sciflat.load(tmp_path / "m.npz", model32, dtype=np.float64)
+    assert sciflat.load(
+        tmp_path / "m.npz", model32, dtype=jnp.float32
+    ).weight.dtype == (jnp.float32)
+
+
+def test_nothing_is_unpickled_or_executed(tmp_path):
+    class Boom:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+
+    model = eqx.nn.Linear(2, 1, key=jax.random.key(0))
+    sciflat.save(tmp_path / "m.npz", model)
+    _, arrays = read_raw(tmp_path / "m.npz")
+    arrays["p"] = np.array([Boom()], dtype=object)
+    np.savez(tmp_path / "evil.npz", **arrays)
+    with pytest.raises(ValueError, match="allow_pickle"):
+        sciflat.load(tmp_path / "evil.npz", model)
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_foreign_and_newer_files_are_refused(tmp_path):
+    model = eqx.nn.Linear(2, 1, key=jax.random.key(0))
+    np.savez(tmp_path / "plain.npz", p=np.zeros(3))
+    with pytest.raises(ValueError, match="not a sciflat file"):
+        sciflat.load(tmp_path / "plain.npz", model)
+    sciflat.save(tmp_path / "m.npz", model)
+    head, arrays = read_raw(tmp_path / "m.npz")
+    head["format_version"] = 99
+    arrays["sciflat_header"] = np.array(json.dumps(head))
+    np.savez(tmp_path / "new.npz", **arrays)
+    with pytest.raises(ValueError, match=r"version 99.*Update sciflat"):
+        sciflat.load(tmp_path / "new.npz", model)
+
+
+def test_a_failed_write_keeps_the_old_file_and_leaves_no_temp(tmp_path, monkeypatch):
+    model = eqx.nn.Linear(2, 1, key=jax.random.key(0))
+    path = tmp_path / "m.npz"
+    sciflat.save(path, model)
+    before = path.read_bytes()
+
+    def interrupted(f, **arrays):
+        f.write(b"partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(np, "savez", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        sciflat.save(path, eqx.nn.Linear(2, 1, key=jax.random.key(1)))
+    assert path.read_bytes() == before
+    assert os.listdir(tmp_path) == ["m.npz"]
