@@ -100,6 +100,7 @@ def least_squares(
                     x,
                     np.where(np.isfinite(jac), 0.0, np.nan).sum(0),
                     re,
+                    "Jacobian",
                 )
             )
         tracker.seen(x, cost)
@@ -116,6 +117,7 @@ def least_squares(
                     x,
                     np.where(np.isfinite(out), 0.0, np.nan).sum(0),
                     re,
+                    "Jacobian",
                 )
             )
         # SciPy asks for the Jacobian once per iteration, at the accepted point.

@@ -159,16 +159,18 @@ def value_and_grad_flat(f: Callable, mode: str) -> Callable:
     return both
 
 
-def nonfinite_message(what: str, where: str, x, grad, re: Restructure) -> str:
+def nonfinite_message(
+    what: str, where: str, x, grad, re: Restructure, grad_name: str = "gradient"
+) -> str:
     names = nonfinite_paths(grad, re) if grad is not None else []
     in_x = nonfinite_paths(x, re)
     parts = [f"{what} at {where}"]
     if in_x:
         parts.append("SciPy proposed non-finite parameters in " + _names(in_x))
     if names:
-        parts.append("the gradient is non-finite in " + _names(names))
+        parts.append(f"the {grad_name} is non-finite in " + _names(names))
     elif grad is not None:
-        parts.append("the gradient is finite")
+        parts.append(f"the {grad_name} is finite")
     return "; ".join(parts) + ". Stopped; `p` is the best finite point seen."
 
 
