@@ -8,6 +8,7 @@ import importlib.metadata
 import json
 import os
 import tempfile
+import zipfile
 from typing import Any, TypeVar
 
 import jax
@@ -166,6 +167,10 @@ def save(
 
 
 def read(path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    if os.path.exists(path) and not zipfile.is_zipfile(path):
+        raise ValueError(
+            f"{os.fspath(path)!r} is not a sciflat file (not an .npz archive)."
+        )
     with np.load(os.fspath(path), allow_pickle=False) as z:
         if _HEADER not in z.files:
             raise ValueError(f"{os.fspath(path)!r} is not a sciflat file (no header).")

@@ -39,7 +39,9 @@ def _strong(state, dtype):
     floats in `dtype`, so the step's inputs and outputs match and it compiles once."""
 
     def fix(x):
-        x = jnp.array(x, copy=True)  # leaves may share buffers (with `p` too): all donated
+        x = jnp.array(
+            x, copy=True
+        )  # leaves may share buffers (with `p` too): all donated
         if not x.weak_type:
             return x
         floating = jnp.issubdtype(x.dtype, jnp.floating)
@@ -134,7 +136,9 @@ class _Interrupts:
 #
 
 
-def _validate(loss, optimizer, steps, batches, checkpoint_every) -> None:
+def _validate(
+    loss, optimizer, steps, batches, args, checkpoint, checkpoint_every
+) -> None:
     if not callable(loss):
         raise TypeError(
             f"`loss` must be a function of the model, got {type(loss).__name__}."
@@ -157,6 +161,21 @@ def _validate(loss, optimizer, steps, batches, checkpoint_every) -> None:
         raise ValueError(f"`steps` must be >= 0, got {steps}.")
     if checkpoint_every < 1:
         raise ValueError(f"`checkpoint_every` must be >= 1, got {checkpoint_every}.")
+    if not isinstance(args, tuple | list):
+        raise TypeError(
+            "`args` must be a tuple of the further arguments of `loss`, e.g. "
+            f"`args=(x, y)` or `args=(x,)`; got {type(args).__name__}."
+        )
+    if batches is not None and not isinstance(batches, Iterable):
+        raise TypeError(
+            f"`batches` must be an iterable of batches, got {type(batches).__name__}."
+        )
+    if checkpoint is not None:
+        folder = os.path.dirname(os.path.abspath(checkpoint))
+        if not os.path.isdir(folder):
+            raise FileNotFoundError(
+                f"`checkpoint`: the folder {folder!r} does not exist."
+            )
 
 
 def _start(checkpoint, resume, re, fresh: _checkpoint.Carry) -> _checkpoint.Carry:
@@ -233,7 +252,7 @@ def fit(
 
     A [`sciflat.FitResult`][]; `raw` is the final optimiser state.
     """
-    _validate(loss, optimizer, steps, batches, checkpoint_every)
+    _validate(loss, optimizer, steps, batches, args, checkpoint, checkpoint_every)
     p, re = destructure(model, filter_spec, dtype=dtype)
     if len(re) == 0:
         raise ValueError(
@@ -248,7 +267,9 @@ def fit(
     if checkpoint is not None:
         _checkpoint.check_state_leaves(opt_state)
     batch_iter = None if batches is None else iter(batches)
-    first = None if batch_iter is None else next(batch_iter, None)
+    first = None if batch_iter is None else next(batch_iter, _END)
+    if first is _END:
+        raise ValueError("`batches` is empty: there is nothing to train on.")
     data = args if batch_iter is None else (first, *args)
     copy = lambda: jnp.array(p, copy=True)  # `p` is donated, these two are not
     fresh = _checkpoint.Carry(p, opt_state, copy(), None, copy(), 0, [])

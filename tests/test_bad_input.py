@@ -1,0 +1,297 @@
+"""Every public function, fed what users get wrong: a clear error, and nothing written.
+
+Each case writes (if it writes at all) into an empty folder, which must still be empty
+after the error: no checkpoint, no half file, no temp file.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import sciflat
+
+
+MODEL = {"b": jnp.zeros(1), "w": jnp.ones(2)}
+P, RE = sciflat.destructure(MODEL)
+LOSS = lambda m: jnp.sum(m["w"] ** 2) + jnp.sum(m["b"] ** 2)
+RESIDUALS = lambda m: jnp.concatenate([m["w"], m["b"]])
+ADAM = optax.adam(1e-2)
+OBJECT_MODEL = {"w": np.array([1.0, None], dtype=object)}
+STRING_MODEL = {"w": np.array(["a", "b"])}
+
+
+def _leaked_tracer():
+    leaked = []
+    jax.jit(lambda x: leaked.append(x) or x)(jnp.ones(3))
+    return leaked[0]
+
+
+LEAKED = _leaked_tracer()
+TRACER = (jax.errors.UnexpectedTracerError, "unexpected tracer")
+
+
+def fit(out, model=MODEL, loss=LOSS, optimizer=ADAM, **kwargs):
+    """`sciflat.fit` checkpointing into the folder that must stay empty."""
+    kwargs = {"steps": 3, "progress": False, **kwargs}
+    return sciflat.fit(loss, model, optimizer, checkpoint=out / "ckpt.npz", **kwargs)
+
+
+def save_inside_jit(out):
+    jax.jit(lambda p: sciflat.save(out / "m.npz", p, RE) or p)(P)
+
+
+def x64_off(f):
+    def run(out):
+        with jax.enable_x64(False):
+            return f(out)
+
+    return run
+
+
+CASES = {
+    # destructure
+    "destructure/object leaf": (
+        lambda out: sciflat.destructure(OBJECT_MODEL),
+        TypeError, r"Leaf `\['w'\]` is an array of dtype object.*numeric arrays only",
+    ),
+    "destructure/string leaf": (
+        lambda out: sciflat.destructure(STRING_MODEL),
+        TypeError, r"`\['w'\]`.*numeric arrays only",
+    ),
+    "destructure/int dtype": (
+        lambda out: sciflat.destructure(MODEL, dtype=jnp.int32),
+        TypeError, "`dtype` must be a real floating dtype, got int32",
+    ),
+    "destructure/complex dtype": (
+        lambda out: sciflat.destructure(MODEL, dtype=jnp.complex64),
+        TypeError, "`dtype` must be a real floating dtype, got complex64",
+    ),
+    "destructure/complex leaf in bfloat16": (
+        lambda out: sciflat.destructure({"z": jnp.ones(2, jnp.complex64)}, dtype=jnp.bfloat16),
+        TypeError, r"`\['z'\]` is complex.*no complex counterpart",
+    ),
+    "destructure/float64 with x64 off": (
+        x64_off(lambda out: sciflat.destructure({"w": np.ones(2)})),
+        TypeError, "jax_enable_x64",
+    ),
+    "destructure/tie half frozen": (
+        lambda out: sciflat.destructure({"a": P, "b": P}, {"a": True, "b": False}),
+        ValueError, "trainable everywhere or frozen everywhere",
+    ),
+    "destructure/leaked tracer": (lambda out: sciflat.destructure({"w": LEAKED}), *TRACER),
+    # re(p)
+    "re/wrong length": (
+        lambda out: RE(jnp.ones(4)), ValueError, "expected a vector of length 3, got 4"
+    ),
+    "re/int p": (lambda out: RE(jnp.arange(3)), TypeError, "real floating vector, got dtype int"),
+    "re/complex p": (
+        lambda out: RE(jnp.ones(3, jnp.complex64)),
+        TypeError, "real floating vector, got dtype complex64.*never become complex",
+    ),
+    "re/2-D p": (lambda out: RE(jnp.ones((3, 1))), ValueError, r"1-D vector.*shape \(3, 1\)"),
+    "re/object p": (
+        lambda out: RE(np.array([1.0, None, 2.0], dtype=object)),
+        TypeError, "got dtype object",
+    ),
+    "re/python float": (lambda out: RE(1.0), TypeError, "1-D real floating array, got float"),
+    "re/float64 NumPy with x64 off": (
+        x64_off(lambda out: RE(np.ones(3))), TypeError, "jax_enable_x64"
+    ),
+    "re/leaked tracer": (lambda out: RE(LEAKED), *TRACER),
+    # save
+    "save/wrong length": (
+        lambda out: sciflat.save(out / "m.npz", jnp.ones(2), RE),
+        ValueError, "expected a vector of length 3, got 2",
+    ),
+    "save/int p": (
+        lambda out: sciflat.save(out / "m.npz", jnp.arange(3), RE),
+        TypeError, "real floating vector",
+    ),
+    "save/NaN in p": (
+        lambda out: sciflat.save(out / "m.npz", P.at[2].set(jnp.nan), RE),
+        ValueError, r"NaN or infinity in `\['w'\]`; nothing was written",
+    ),
+    "save/inf in model": (
+        lambda out: sciflat.save(out / "m.npz", {"b": jnp.array([jnp.inf])}),
+        ValueError, r"NaN or infinity in `\['b'\]`",
+    ),
+    "save/object p": (
+        lambda out: sciflat.save(out / "m.npz", np.array([1.0, None, 2.0], dtype=object), RE),
+        TypeError, "got dtype object",
+    ),
+    "save/object model": (
+        lambda out: sciflat.save(out / "m.npz", OBJECT_MODEL), TypeError, "numeric arrays"
+    ),
+    "save/p without re": (
+        lambda out: sciflat.save(out / "m.npz", P), TypeError, "needs the `re`"
+    ),
+    "save/re not a Restructure": (
+        lambda out: sciflat.save(out / "m.npz", P, MODEL),
+        TypeError, "`re` must be a sciflat.Restructure, got dict",
+    ),
+    "save/inside jit": (save_inside_jit, TypeError, "got a JAX tracer.*outside `jax.jit`"),
+    "save/leaked tracer": (
+        lambda out: sciflat.save(out / "m.npz", LEAKED, sciflat.destructure(jnp.ones(3))[1]),
+        TypeError, "got a JAX tracer",
+    ),
+    "save/missing folder": (
+        lambda out: sciflat.save(out / "no" / "m.npz", MODEL),
+        FileNotFoundError, "does not exist",
+    ),
+    # load (of a good file, written elsewhere)
+    "load/another model": (
+        lambda out: sciflat.load(GOOD_FILE, {"b": jnp.zeros(1), "w": jnp.ones(3)}),
+        ValueError, r"leaf `\['w'\]`: expected trainable float64\[3\], found .*\[2\]",
+    ),
+    "load/int dtype": (
+        lambda out: sciflat.load(GOOD_FILE, MODEL, dtype=jnp.int32),
+        TypeError, "real floating dtype",
+    ),
+    "load/implicit float32": (
+        lambda out: sciflat.load(GOOD_FILE, jax.tree.map(lambda x: x.astype(jnp.float32), MODEL)),
+        TypeError, "float64 parameters, but the skeleton is float32",
+    ),
+    "load/object skeleton": (
+        lambda out: sciflat.load(GOOD_FILE, OBJECT_MODEL), TypeError, "numeric arrays"
+    ),
+    "load/missing file": (
+        lambda out: sciflat.load(out / "nope.npz", MODEL), FileNotFoundError, "nope.npz"
+    ),
+    "load/not an npz": (
+        lambda out: sciflat.load(GARBAGE_FILE, MODEL), ValueError, "not an .npz archive"
+    ),
+    # fit
+    "fit/loss not callable": (
+        lambda out: fit(out, loss=3.0), TypeError, "`loss` must be a function"
+    ),
+    "fit/optimizer factory not called": (
+        lambda out: fit(out, optimizer=optax.adam),
+        TypeError, r"GradientTransformation \(e.g. `optax.adam\(1e-3\)`\), got function",
+    ),
+    "fit/no steps or batches": (
+        lambda out: fit(out, steps=None), ValueError, "Give `steps`"
+    ),
+    "fit/negative steps": (lambda out: fit(out, steps=-1), ValueError, "`steps` must be >= 0"),
+    "fit/float steps": (lambda out: fit(out, steps=10.0), TypeError, "`steps` must be an int"),
+    "fit/checkpoint_every 0": (
+        lambda out: fit(out, checkpoint_every=0), ValueError, "`checkpoint_every` must be >= 1"
+    ),
+    "fit/args not a tuple": (
+        lambda out: fit(out, args=jnp.ones(2)), TypeError, "`args` must be a tuple"
+    ),
+    "fit/batches not iterable": (
+        lambda out: fit(out, batches=3), TypeError, "`batches` must be an iterable"
+    ),
+    "fit/empty batches": (lambda out: fit(out, batches=[]), ValueError, "`batches` is empty"),
+    "fit/vector loss": (
+        lambda out: fit(out, loss=lambda m: m["w"]),
+        TypeError, r"`loss` must return a real scalar, got float64\[2\]",
+    ),
+    "fit/complex loss": (
+        lambda out: fit(out, loss=lambda m: jnp.sum(m["w"]) * 1j),
+        TypeError, "real scalar, got complex128",
+    ),
+    "fit/NaN in model": (
+        lambda out: fit(out, model={"b": jnp.zeros(1), "w": jnp.array([1.0, jnp.nan])}),
+        ValueError, r"starts with NaN or infinity in `\['w'\]`",
+    ),
+    "fit/empty model": (lambda out: fit(out, model=()), ValueError, "no trainable floating"),
+    "fit/only int leaves": (
+        lambda out: fit(out, model={"n": jnp.arange(3)}), ValueError, "no trainable floating"
+    ),
+    "fit/object leaf": (lambda out: fit(out, model=OBJECT_MODEL), TypeError, "numeric arrays"),
+    "fit/int dtype": (
+        lambda out: fit(out, dtype=jnp.int32), TypeError, "real floating dtype"
+    ),
+    "fit/float64 with x64 off": (
+        x64_off(lambda out: fit(out, dtype=jnp.float64)), TypeError, "jax_enable_x64"
+    ),
+    "fit/checkpoint folder missing": (
+        lambda out: sciflat.fit(LOSS, MODEL, ADAM, steps=2, checkpoint=out / "no" / "c.npz"),
+        FileNotFoundError, "does not exist",
+    ),
+    "fit/leaked tracer": (lambda out: fit(out, model={"w": LEAKED}), *TRACER),
+}  # fmt: skip
+
+
+# The SciPy fits, where they exist (another module): the same mistakes.
+for name, f in [("minimize", LOSS), ("least_squares", RESIDUALS)]:
+    if not hasattr(sciflat, name):
+        continue
+    run = lambda model=MODEL, f=f, name=name, **kw: getattr(sciflat, name)(
+        f, model, progress=False, **kw
+    )
+    CASES |= {
+        f"{name}/wrong length x0": (
+            lambda out, run=run: run(x0=np.zeros(2)), ValueError, "length 3, got 2"
+        ),
+        f"{name}/NaN in x0": (
+            lambda out, run=run: run(x0=np.array([np.nan, 0.0, 0.0])),
+            ValueError, r"not finite in `\['b'\]`",
+        ),
+        f"{name}/empty model": (
+            lambda out, run=run: run(model=()), ValueError, "no trainable floating"
+        ),
+        f"{name}/only int leaves": (
+            lambda out, run=run: run(model={"n": jnp.arange(3)}),
+            ValueError, "no trainable floating",
+        ),
+        f"{name}/object leaf": (
+            lambda out, run=run: run(model=OBJECT_MODEL), TypeError, "numeric arrays"
+        ),
+        f"{name}/bounds for an unknown leaf": (
+            lambda out, run=run: run(bounds={"zz": (0.0, 1.0)}),
+            ValueError, "does not pick a trainable leaf",
+        ),
+        f"{name}/bounds of the wrong shape": (
+            lambda out, run=run: run(bounds={"['w']": (np.zeros(3), None)}),
+            ValueError, r"`\['w'\]`.*shape \(2,\), got shape \(3,\)",
+        ),
+        f"{name}/bounds not model-shaped": (
+            lambda out, run=run: run(bounds=({"w": 0.0}, None)),
+            ValueError, "pytrees with the model's structure",
+        ),
+        f"{name}/x64 off": (
+            x64_off(lambda out, run=run: run()), TypeError, "jax_enable_x64"
+        ),
+        f"{name}/leaked tracer": (lambda out, run=run: run(model={"w": LEAKED}), *TRACER),
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="module", autouse=True)
+def files(tmp_path_factory):
+    global GOOD_FILE, GARBAGE_FILE
+    folder = tmp_path_factory.mktemp("inputs")
+    GOOD_FILE, GARBAGE_FILE = folder / "good.npz", folder / "garbage.npz"
+    sciflat.save(GOOD_FILE, MODEL)
+    GARBAGE_FILE.write_bytes(b"not a zip file")
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_bad_input_is_a_clear_error_and_writes_nothing(name, tmp_path):
+    call, error, match = CASES[name]
+    with pytest.raises(error, match=match):
+        call(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_every_public_function_is_tried():
+    functions = {"destructure", "save", "load", "fit", "minimize", "least_squares"}
+    covered = {case.split("/")[0] for case in CASES}
+    assert {n for n in functions if hasattr(sciflat, n)} | {"re"} <= covered
+
+
+def test_a_failing_loss_mid_fit_leaves_only_complete_checkpoints(tmp_path):
+    # Not bad input but bad luck: a user's callback raises at step 4.
+    def callback(step, value, model):
+        if step == 4:
+            raise RuntimeError("user bug")
+
+    with pytest.raises(RuntimeError, match="user bug"):
+        fit(tmp_path, steps=10, checkpoint_every=3, callback=callback)
+    assert [f.name for f in tmp_path.iterdir()] == ["ckpt.npz"]
+    with np.load(tmp_path / "ckpt.npz", allow_pickle=False) as z:
+        assert len(z["history"]) == 3  # step 3's checkpoint, complete
+    assert sciflat.load(tmp_path / "ckpt.npz", RE).shape == P.shape
