@@ -174,6 +174,9 @@ def page_results() -> dict[str, dict]:
     return {r["page"]: r for r in results}
 
 
+# Slow: every page's snippets compile and run (~30 s of CPU in all). CI runs it; the
+# strict build and the API check below stay in the fast tier.
+@pytest.mark.slow
 @pytest.mark.parametrize("page", PAGES, ids=_rel)
 def test_page_code_runs(page, page_results):
     result = page_results[_rel(page)]
