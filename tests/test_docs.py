@@ -191,6 +191,24 @@ def test_page_code_runs(page, page_results):
         )
 
 
+@pytest.mark.slow
+def test_scaling_page_runs_on_four_devices():
+    """The data-parallel recipe of docs/scaling.md, on 4 emulated CPU devices."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    proc = subprocess.run(
+        [sys.executable, __file__, str(DOCS / "scaling.md")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=PAGE_TIMEOUT_S + 60,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result["ok"], f"block {result.get('block')}:\n{result['error']}"
+    assert "{'data': 4}" in result["output"], result["output"]
+
+
 @pytest.mark.parametrize("page", PAGES, ids=_rel)
 def test_every_python_block_runs(page):
     """No `python {skip}`-style fences, no ```py: a block is run, or it is not Python."""
