@@ -265,6 +265,20 @@ def test_every_public_name_is_in_the_api_pages():
     )
 
 
+def test_every_public_name_has_a_docstring():
+    """A summary line for every public name, and an example for every function."""
+    import inspect
+
+    import sciflat
+
+    for name in sorted(public_names()):
+        obj = getattr(sciflat, name)
+        doc = inspect.getdoc(obj) or ""
+        assert doc.strip(), f"sciflat.{name} has no docstring"
+        if inspect.isfunction(obj):
+            assert "!!! Example" in doc, f"sciflat.{name}'s docstring has no example"
+
+
 def test_site_builds_strictly(tmp_path):
     """`mkdocs build --strict`: a broken link, nav entry or API reference fails CI."""
     proc = subprocess.run(
