@@ -253,3 +253,26 @@ def test_expected_dtype():
         lambda p: jnp.sum(p * p), jnp.ones(2, jnp.float32), expect="float64"
     )
     assert {f.primitive for f in p32.findings} >= {"mul", "reduce_sum"}
+
+
+def test_constants_stay_data_inside_scan_while_and_cond():
+    c32 = jnp.linspace(0, 1, 3, dtype=jnp.float32)
+
+    def loss(p, n):
+        q = jax.lax.scan(lambda q, _: (q * c32.astype(q.dtype), None), p, length=3)[0]
+        q = jax.lax.fori_loop(0, n, lambda i, q: q * c32.T.astype(q.dtype), q)  # while
+        q = jax.lax.cond(n > 1, lambda q: q * c32.astype(q.dtype), lambda q: q, q)
+        return jnp.sum(q)
+
+    assert not sciflat.audit_dtypes(loss, jnp.ones(3), 2, grad=False)
+
+    def computed(p):  # the same in the loop body, from a float32 computation
+        body = lambda q, _: (q * jnp.sin(c32).astype(q.dtype), None)  # SIN IN SCAN
+        return jnp.sum(jax.lax.scan(body, p, length=3)[0])
+
+    report = sciflat.audit_dtypes(computed, jnp.ones(3), grad=False)
+    assert {(f.kind, f.primitive) for f in report.findings} == {
+        ("op", "sin"),
+        ("widen", "convert_element_type"),
+    }
+    assert {f.where.line for f in report.findings} == {_line("# SIN IN SCAN")}
