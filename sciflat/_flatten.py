@@ -66,29 +66,50 @@ class _Spec:
     def __hash__(self) -> int:
         return self._hash
 
+    @ft.cached_property
+    def complex_path(self) -> str | None:
+        return next((s.paths[0] for s in self.slots if s.complex), None)
+
 
 #
-# Rebuilding: one jitted function per structure, so eager `re(p)` costs one dispatch.
+# Rebuilding. Under a trace, `lax.split` (whose transpose is one concatenate); on a
+# concrete `p`, NumPy on the host and one `device_put`, so that eager `re(p)` compiles
+# nothing (a jitted rebuild compiles one kernel per leaf: seconds for 1000 leaves).
 #
 
 
-@ft.partial(jax.jit, static_argnums=0)
-def _rebuild_arrays(spec: _Spec, p, cast_arrays):
+def _host_complex(real, imag):
+    out = np.empty(real.shape, complex_dtype(real.dtype, "a complex leaf"))
+    out.real, out.imag = real, imag
+    return out
+
+
+def _assemble(spec: _Spec, p, cast_arrays, split, make_complex):
     slot_arrays = []
-    pieces = jax.lax.split(p, [s.size for s in spec.slots]) if spec.slots else []
+    pieces = split(p, [s.size for s in spec.slots]) if spec.slots else []
     for slot, piece in zip(spec.slots, pieces, strict=True):
         if slot.complex:
             half = slot.size // 2
-            piece = jax.lax.complex(piece[:half], piece[half:])
+            piece = make_complex(piece[:half], piece[half:])
         slot_arrays.append(piece.reshape(slot.shape))
-    target = np.dtype(p.dtype)
+    real = np.dtype(p.dtype)
     casts = [
-        x.astype(
-            complex_dtype(target, "frozen leaf") if is_complex(x.dtype) else target
-        )
+        x.astype(complex_dtype(real, "a frozen leaf") if is_complex(x.dtype) else real)
         for x in cast_arrays
     ]
     return slot_arrays, casts
+
+
+@ft.partial(jax.jit, static_argnums=0)
+def _rebuild_traced(spec: _Spec, p, cast_arrays):
+    return _assemble(spec, p, cast_arrays, jax.lax.split, jax.lax.complex)
+
+
+def _rebuild_on_host(spec: _Spec, p: jax.Array, cast_arrays):
+    split = lambda x, sizes: np.split(x, np.cumsum(sizes)[:-1])
+    host_cast = [np.asarray(x) for x in cast_arrays]
+    slot_arrays, casts = _assemble(spec, np.asarray(p), host_cast, split, _host_complex)
+    return jax.device_put((slot_arrays, casts), _replicated_like(p.sharding))
 
 
 def _replicated_like(sharding):
@@ -112,14 +133,14 @@ class Restructure(eqx.Module, Generic[_M]):
 
     def __call__(self, p: Float[Array, " n"]) -> _M:
         spec = self._spec
-        for slot in spec.slots:
-            if slot.complex and not isinstance(p, list | tuple):
-                complex_dtype(getattr(p, "dtype", np.float32), f"`{slot.paths[0]}`")
         p = as_flat_vector(p, spec.size, f"Restructure({spec.name})")
+        if spec.complex_path is not None:
+            complex_dtype(p.dtype, f"The trainable leaf `{spec.complex_path}`")
         cast_in = self._arrays[: spec.n_cast]
-        if cast_in and isinstance(p, jax.Array) and not isinstance(p, jax.core.Tracer):
-            cast_in = jax.device_put(cast_in, _replicated_like(p.sharding))
-        slot_arrays, casts = _rebuild_arrays(spec, p, cast_in)
+        if isinstance(p, jax.core.Tracer):
+            slot_arrays, casts = _rebuild_traced(spec, p, cast_in)
+        else:
+            slot_arrays, casts = _rebuild_on_host(spec, p, cast_in)
         leaves = []
         for kind, value in spec.kinds:
             if kind == _TRAIN:
