@@ -36,6 +36,7 @@ def least_squares(
     filter_spec: PyTree = True,
     callback: Callable[[_M, float], None] | None = None,
     progress: bool = True,
+    blas_threads: sp.BlasThreads = "auto",
     **kwargs: Any,
 ) -> FitResult[_M]:
     """Minimises `0.5 * sum(residuals(model, *args) ** 2)` with SciPy's `least_squares`.
@@ -57,7 +58,8 @@ def least_squares(
     **Arguments:**
 
     - `residuals`: `residuals(model, *args) -> array` (any shape; flattened).
-    - `model`, `*args`, `bounds`, `mode`, `x0`, `filter_spec`, `progress`: as in
+    - `model`, `*args`, `bounds`, `mode`, `x0`, `filter_spec`, `progress`,
+        `blas_threads` (here: one thread below 10**7 Jacobian entries): as in
         [`sciflat.minimize`][].
     - `method`: `"trf"`, `"dogbox"` or `"lm"` (no bounds).
     - `callback`: `callback(model, cost)` after every iteration (every Jacobian).
@@ -85,6 +87,7 @@ def least_squares(
     jac_fn, used = sp.compile_first_working(
         modes, lambda m: get("jacobian", m), (x0, leaves)
     )
+    limit = sp.blas_threads_limit(blas_threads, len(re) * m)
     tracker = sp.Tracker(re, callback, progress, f"least_squares ({method})")
 
     def fun(x):
@@ -128,14 +131,15 @@ def least_squares(
         return out
 
     try:
-        res = scipy.optimize.least_squares(
-            fun,
-            x0,
-            jac=jac,
-            method=method,
-            bounds=lb_ub if lb_ub is not None else (-np.inf, np.inf),
-            **kwargs,
-        )
+        with limit:
+            res = scipy.optimize.least_squares(
+                fun,
+                x0,
+                jac=jac,
+                method=method,
+                bounds=lb_ub if lb_ub is not None else (-np.inf, np.inf),
+                **kwargs,
+            )
         x, value, status, message = (
             res.x,
             float(res.cost),

@@ -63,6 +63,7 @@ def minimize(
     filter_spec: PyTree = True,
     callback: Callable[[_M, float], None] | None = None,
     progress: bool = True,
+    blas_threads: sp.BlasThreads = "auto",
     tol: float | None = None,
     options: dict | None = None,
     **kwargs: Any,
@@ -104,6 +105,9 @@ def minimize(
     - `filter_spec`: which leaves are trainable, as in `sciflat.destructure`.
     - `callback`: `callback(model, loss)` after every iteration.
     - `progress`: show a progress bar with the iteration and loss.
+    - `blas_threads`: BLAS threads for SciPy's own linear algebra during the fit;
+        `"auto"` uses one below 10**7 parameters (threads slow small problems down
+        many times over), `None` leaves them alone.
     - `tol`, `options`, `**kwargs`: passed to `scipy.optimize.minimize`.
 
     **Returns:**
@@ -117,21 +121,23 @@ def minimize(
     scipy_bounds = flat_bounds(bounds, re, x0)
     leaves, rebuild = sp.split_args(args)
 
+    limit = sp.blas_threads_limit(blas_threads, len(re))
     tracker = sp.Tracker(re, callback, progress, f"minimize ({method})")
     fun, used, extra = _objective((loss, re, rebuild), name, mode, x0, leaves, tracker)
     message = ""
     try:
-        res = scipy.optimize.minimize(
-            fun,
-            x0,
-            method=method,
-            bounds=_as_scipy(scipy_bounds),
-            tol=tol,
-            options=options,
-            callback=_scipy_callback(fun, tracker),
-            **extra,
-            **kwargs,
-        )
+        with limit:
+            res = scipy.optimize.minimize(
+                fun,
+                x0,
+                method=method,
+                bounds=_as_scipy(scipy_bounds),
+                tol=tol,
+                options=options,
+                callback=_scipy_callback(fun, tracker),
+                **extra,
+                **kwargs,
+            )
         x, value, status, n = (
             res.x,
             float(res.fun),

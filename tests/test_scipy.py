@@ -479,3 +479,31 @@ def test_lotka_volterra_rates_recovered(lv_data, fit):
     )
     np.testing.assert_allclose(exact.model.rates, TRUE, rtol=1e-6)
     np.testing.assert_allclose(run(noisy).model.rates, TRUE, rtol=0.02)
+
+
+def _blas_threads():
+    from threadpoolctl import threadpool_info
+
+    return [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+
+
+def test_blas_threads_limited_during_the_fit_only():
+    before, during = _blas_threads(), []
+    record = lambda model, loss: during.append(_blas_threads())
+    fit = lambda **kw: sciflat.minimize(
+        quad_loss,
+        quad_model(),
+        C,
+        callback=record,
+        progress=False,
+        options={"maxiter": 2},
+        **kw,
+    )
+    fit()
+    assert during and all(set(threads) == {1} for threads in during)
+    assert _blas_threads() == before
+    during.clear()
+    fit(blas_threads=None)
+    assert during and all(threads == before for threads in during)
+    with pytest.raises(ValueError, match="`blas_threads` must be"):
+        fit(blas_threads=0)
