@@ -20,20 +20,18 @@ from jax.flatten_util import ravel_pytree
 import sciflat
 
 
-def _timeit(fn, repeats):
-    """Median seconds of `fn()` over `repeats` calls (fn must block)."""
+def _timeit(repeats, fn, *args):
+    """Median seconds of `fn(*args)` over `repeats` calls, each until ready."""
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        fn()
+        jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
-def _first_call(fn):
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+def _first_call(fn, *args):
+    return _timeit(1, fn, *args)
 
 
 class Leaves(eqx.Module):
@@ -97,15 +95,13 @@ def bench_steps(model, loss, x, repeats, rounds=5):
     compiled, compile_s = {}, {}
     for name, (make, arg) in variants.items():
         f = make()
-        t = _first_call(lambda: jax.block_until_ready(f(arg, x)))
+        t = _first_call(f, arg, x)
         compiled[name] = (f, arg)
         compile_s[name] = t
     steps = {name: [] for name in variants}
     for _ in range(rounds):  # interleave the variants
         for name, (f, arg) in compiled.items():
-            steps[name].append(
-                _timeit(lambda: jax.block_until_ready(f(arg, x)), repeats)
-            )
+            steps[name].append(_timeit(repeats, f, arg, x))
     step_s = {name: statistics.median(v) for name, v in steps.items()}
     compile_s = {name: compile_s[name] - step_s[name] for name in variants}
     return compile_s, step_s
@@ -117,20 +113,15 @@ def bench_leaves(n_list, repeats, eager_ravel_max, distinct=False):
     loss = lambda m, x: m(x)
     for n in n_list:
         model = many_leaves(n, distinct)
-        t_destructure = _first_call(
-            lambda: jax.block_until_ready(sciflat.destructure(model)[0])
-        )
-        t_ravel = _first_call(
-            lambda: jax.block_until_ready(
-                ravel_pytree(eqx.filter(model, eqx.is_inexact_array))[0]
-            )
-        )
+        params = eqx.filter(model, eqx.is_inexact_array)
+        t_destructure = _first_call(sciflat.destructure, model)
+        t_ravel = _first_call(ravel_pytree, params)
         p, re = sciflat.destructure(model)
-        t_re_first = _first_call(lambda: jax.block_until_ready(re(p)))
-        t_re = _timeit(lambda: jax.block_until_ready(re(p + 1)), 5)
+        t_re_first = _first_call(re, p)
+        t_re = _timeit(5, re, p + 1)
         if n <= eager_ravel_max:
-            flat, unravel = ravel_pytree(eqx.filter(model, eqx.is_inexact_array))
-            t_unravel_first = _first_call(lambda: jax.block_until_ready(unravel(flat)))
+            flat, unravel = ravel_pytree(params)
+            t_unravel_first = _first_call(unravel, flat)
         else:
             t_unravel_first = float("nan")
         compile_s, step_s = bench_steps(model, loss, x, repeats)
@@ -160,9 +151,11 @@ def _print_leaves(rows, header):
         print("|---" * 8 + "|")
     for n, td, tr, tre1, tre, tun, c, s in rows:
         print(
-            f"| {n} | {td * 1e3:.1f} ms | {tr * 1e3:.1f} ms | {tre1 * 1e3:.0f} ms / {tre * 1e3:.2f} ms | "
+            f"| {n} | {td * 1e3:.1f} ms | {tr * 1e3:.1f} ms | "
+            f"{tre1 * 1e3:.0f} ms / {tre * 1e3:.2f} ms | "
             f"{tun:.2f} s | {c['native']:.2f} / {c['ravel_pytree']:.2f} / {c['sciflat']:.2f} s | "
-            f"{s['native'] * 1e6:.0f} / {s['ravel_pytree'] * 1e6:.0f} / {s['sciflat'] * 1e6:.0f} µs | "
+            f"{s['native'] * 1e6:.0f} / {s['ravel_pytree'] * 1e6:.0f} / "
+            f"{s['sciflat'] * 1e6:.0f} µs | "
             f"{s['native'] / s['ravel_pytree']:.2f}× / {s['native'] / s['sciflat']:.2f}× |",
             flush=True,
         )
@@ -172,7 +165,8 @@ def bench_mlp(batches, repeats):
     model = big_mlp()
     loss = lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2)
     print(
-        "| batch | compile: native / ravel / sciflat | step: native / ravel / sciflat | ratio to native: ravel / sciflat |"
+        "| batch | compile: native / ravel / sciflat | step: native / ravel / sciflat "
+        "| ratio to native: ravel / sciflat |"
     )
     print("|---" * 4 + "|")
     for b in batches:
@@ -180,7 +174,8 @@ def bench_mlp(batches, repeats):
         c, s = bench_steps(model, loss, x, repeats)
         print(
             f"| {b} | {c['native']:.2f} / {c['ravel_pytree']:.2f} / {c['sciflat']:.2f} s | "
-            f"{s['native'] * 1e3:.2f} / {s['ravel_pytree'] * 1e3:.2f} / {s['sciflat'] * 1e3:.2f} ms | "
+            f"{s['native'] * 1e3:.2f} / {s['ravel_pytree'] * 1e3:.2f} / "
+            f"{s['sciflat'] * 1e3:.2f} ms | "
             f"{s['ravel_pytree'] / s['native']:.2f}× / {s['sciflat'] / s['native']:.2f}× |",
             flush=True,
         )
