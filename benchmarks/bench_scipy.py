@@ -1,0 +1,334 @@
+"""SciPy benchmark: `sciflat.minimize` vs a hand-written `jit(value_and_grad)` wrapper,
+SciPy's own finite differences and (if installed) `jaxopt.ScipyMinimize`.
+
+Two problems, float64, L-BFGS-B, every variant in one process, interleaved, after a
+warm-up fit (so compilation is excluded); medians over `--repeats`:
+
+1. Lotka–Volterra, 4 unknown rates, positive bounds: whole-fit time. sciflat's auto
+   mode differentiates forward (the loss uses `adjoint=diffrax.ForwardMode()`); the
+   hand wrapper and jaxopt use reverse mode (Diffrax's default adjoint); finite
+   differences call a jitted loss.
+2. PINN (MLP 1→32→32→1, 1,153 parameters, u'' + u = 0): per-call wrapper overhead
+   (conversion + dispatch, i.e. SciPy's `fun(x)` minus the jitted call alone) and a
+   500-iteration fit.
+
+    python benchmarks/bench_scipy.py                 # about a minute
+    python benchmarks/bench_scipy.py --repeats 3 --pinn-iters 100
+    pip install jaxopt  # optional (unmaintained); never a sciflat dependency
+"""
+
+import argparse
+import statistics
+import time
+
+import diffrax
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import scipy.optimize
+from jax.flatten_util import ravel_pytree
+
+
+jax.config.update("jax_enable_x64", True)
+
+import sciflat  # noqa: E402
+
+
+try:
+    import jaxopt
+except ImportError:  # optional, unmaintained
+    jaxopt = None
+
+
+def median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def interleaved(fns: dict, repeats: int) -> dict:
+    """Median seconds per variant, variants interleaved round by round."""
+    times = {k: [] for k in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+#
+# 1. Lotka–Volterra
+#
+
+TRUE = np.array([1.5, 1.0, 3.0, 1.0])
+TS = jnp.linspace(0.0, 10.0, 101)
+
+
+class LotkaVolterra(eqx.Module):
+    rates: jax.Array
+
+    def __call__(self, t, y, args):
+        a, b, c, d = self.rates
+        return jnp.stack([a * y[0] - b * y[0] * y[1], -c * y[1] + d * y[0] * y[1]])
+
+
+REVERSE = diffrax.RecursiveCheckpointAdjoint()  # Diffrax's default adjoint
+
+
+def lv_loss(model, data, adjoint=REVERSE):
+    sol = diffrax.diffeqsolve(
+        diffrax.ODETerm(model), diffrax.Tsit5(), 0.0, 10.0, 0.01, jnp.asarray([1.0, 1.0]),
+        saveat=diffrax.SaveAt(ts=TS), adjoint=adjoint,
+        stepsize_controller=diffrax.PIDController(rtol=1e-8, atol=1e-8), max_steps=4096,
+    )  # fmt: skip
+    return jnp.sum((sol.ys - data) ** 2)
+
+
+def lv_forward_loss(model, data):
+    return lv_loss(model, data, diffrax.ForwardMode())
+
+
+def lotka_volterra(repeats: int) -> None:
+    sol = diffrax.diffeqsolve(
+        diffrax.ODETerm(LotkaVolterra(jnp.asarray(TRUE))), diffrax.Tsit5(), 0.0, 10.0,
+        0.01, jnp.asarray([1.0, 1.0]), saveat=diffrax.SaveAt(ts=TS),
+        stepsize_controller=diffrax.PIDController(rtol=1e-10, atol=1e-10), max_steps=8192,
+    )  # fmt: skip
+    data = sol.ys
+    start = np.array([1.2, 0.8, 2.6, 1.2])
+    bounds = [(0.0, None)] * 4
+    plain = lambda r, d: lv_loss(LotkaVolterra(r), d)
+    value_and_grad = jax.jit(jax.value_and_grad(plain))
+    value = jax.jit(plain)
+
+    def hand():
+        def fun(x):
+            v, g = value_and_grad(x, data)
+            return float(v), np.asarray(g)
+
+        return scipy.optimize.minimize(
+            fun, start, jac=True, method="L-BFGS-B", bounds=bounds
+        )
+
+    def finite_differences():
+        fun = lambda x: float(value(x, data))
+        return scipy.optimize.minimize(fun, start, method="L-BFGS-B", bounds=bounds)
+
+    def ours(loss, mode="auto"):
+        def run():
+            return sciflat.minimize(
+                loss, LotkaVolterra(jnp.asarray(start)), data, bounds={"rates": (0.0, None)},
+                mode=mode, progress=False,
+            )  # fmt: skip
+
+        return run
+
+    variants = {
+        "hand jit(value_and_grad), reverse": hand,
+        "hand, reverse, 1 BLAS thread": one_blas_thread(hand),
+        "SciPy finite differences (jitted loss)": finite_differences,
+        "finite differences, 1 BLAS thread": one_blas_thread(finite_differences),
+        "sciflat.minimize, auto (forward)": ours(lv_forward_loss),
+        "sciflat.minimize, mode='reverse'": ours(lv_loss, "reverse"),
+    }
+    if jaxopt is not None:
+        solver = jaxopt.ScipyBoundedMinimize(fun=plain, method="L-BFGS-B")
+        lo, hi = jnp.zeros(4), jnp.full(4, jnp.inf)
+        variants["jaxopt.ScipyBoundedMinimize"] = lambda: solver.run(
+            jnp.asarray(start), (lo, hi), data
+        )
+    results = {k: fn() for k, fn in variants.items()}  # warm-up: compiles everything
+    times = interleaved(variants, repeats)
+    ref = times["hand jit(value_and_grad), reverse"]
+    print("\n### Lotka–Volterra, 4 rates, L-BFGS-B (whole fit, compiled)\n")
+    print("| variant | time (s) | vs hand | loss calls | max rel. error of rates |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for name, res in results.items():
+        x, nfev = _x_nfev(res)
+        err = np.max(np.abs(x - TRUE) / TRUE)
+        print(
+            f"| {name} | {times[name]:.3f} | {times[name] / ref:.2f}× | {nfev} | {err:.1e} |"
+        )
+
+
+def one_blas_thread(fn):
+    """What sciflat does by default (`blas_threads="auto"`), applied to a baseline."""
+    from threadpoolctl import threadpool_limits
+
+    def run():
+        with threadpool_limits(limits=1, user_api="blas"):
+            return fn()
+
+    return run
+
+
+def _x_nfev(res):
+    if isinstance(res, sciflat.FitResult):
+        return np.asarray(res.p), res.raw.nfev
+    if isinstance(res, scipy.optimize.OptimizeResult):
+        return res.x, res.nfev
+    return np.asarray(res.params), int(res.state.iter_num)
+
+
+#
+# 2. PINN: per-call overhead and a 500-iteration fit
+#
+
+
+def pinn_loss(net, t):
+    u = lambda t: net(t[None])[0]
+    du = lambda t: jax.jvp(u, (t,), (jnp.ones_like(t),))[1]
+    ddu = lambda t: jax.jvp(du, (t,), (jnp.ones_like(t),))[1]
+    interior = jax.vmap(lambda t: ddu(t) + u(t))(t)
+    t0 = jnp.zeros(())
+    return jnp.mean(interior**2) + (u(t0) - 1.0) ** 2 + du(t0) ** 2
+
+
+def capture_fun(run) -> dict:
+    """The `fun` (and `x0`) that `run` hands to `scipy.optimize.minimize`."""
+    seen, real = {}, scipy.optimize.minimize
+
+    def spy(fun, x0, **kwargs):
+        seen.update(fun=fun, x0=np.copy(x0))
+        return real(fun, x0, **kwargs)
+
+    scipy.optimize.minimize = spy
+    try:
+        run()
+    finally:
+        scipy.optimize.minimize = real
+    return seen
+
+
+def pinn(repeats: int, iters: int) -> None:
+    net = eqx.nn.MLP(1, 1, 32, 2, activation=jnp.tanh, key=jax.random.key(0))
+    net = jax.tree.map(lambda x: x.astype(jnp.float64) if eqx.is_array(x) else x, net)
+    t = jnp.linspace(0.0, 2 * jnp.pi, 64)
+    params, static = eqx.partition(net, eqx.is_array)
+    flat, unravel = ravel_pytree(params)
+    assert flat.size == 1153, flat.size
+    plain = lambda x, t: pinn_loss(eqx.combine(unravel(x), static), t)
+    value_and_grad = jax.jit(jax.value_and_grad(plain))
+
+    def hand_fun(x):
+        v, g = value_and_grad(x, t)
+        return float(v), np.asarray(g)
+
+    options = {"maxiter": iters, "ftol": 0.0, "gtol": 0.0}
+    hand = lambda: scipy.optimize.minimize(
+        hand_fun, np.asarray(flat), jac=True, method="L-BFGS-B", options=options
+    )
+    ours = lambda: sciflat.minimize(pinn_loss, net, t, progress=False, options=options)
+    fits = {
+        "hand jit(value_and_grad)": hand,
+        "hand, 1 BLAS thread": one_blas_thread(hand),
+        "sciflat.minimize (reverse)": ours,
+    }
+    if jaxopt is not None:
+        solver = jaxopt.ScipyMinimize(
+            fun=plain,
+            method="L-BFGS-B",
+            maxiter=iters,
+            options={"ftol": 0.0, "gtol": 0.0},
+        )
+        fits["jaxopt.ScipyMinimize"] = lambda: solver.run(flat, t)
+
+    # Per call: each wrapper's `fun(x)` and its jitted call alone, at the same x.
+    short = {"maxiter": 1}
+    ours_fun = capture_fun(
+        lambda: sciflat.minimize(pinn_loss, net, t, progress=False, options=short)
+    )["fun"]
+    x = np.asarray(flat)
+    x_dev = jnp.asarray(x)
+    calls = {
+        "hand: fun(x)": lambda: hand_fun(x),
+        "hand: jitted call alone": lambda: jax.block_until_ready(
+            value_and_grad(x_dev, t)
+        ),
+        "sciflat: fun(x)": lambda: ours_fun(x),
+    }
+    inner = _sciflat_jitted(net, t)
+    calls["sciflat: jitted call alone"] = lambda: jax.block_until_ready(
+        inner(x_dev, [t])
+    )
+    if jaxopt is not None:
+        jo_fun = capture_fun(
+            lambda: jaxopt.ScipyMinimize(fun=plain, method="L-BFGS-B", maxiter=1).run(
+                flat, t
+            )
+        )["fun"]
+        calls["jaxopt: fun(x)"] = lambda: jo_fun(x)
+    for fn in calls.values():
+        fn()
+    per_call = {
+        k: v
+        for k, v in interleaved(
+            {k: _loop(f, 200) for k, f in calls.items()}, repeats
+        ).items()
+    }
+    per_call = {k: v / 200 for k, v in per_call.items()}
+    print("\n### PINN, 1,153 parameters: one SciPy call (value and gradient)\n")
+    print("| call | µs |")
+    print("| --- | ---: |")
+    for name, s in per_call.items():
+        print(f"| {name} | {s * 1e6:.0f} |")
+    hand_over = per_call["hand: fun(x)"] - per_call["hand: jitted call alone"]
+    ours_over = per_call["sciflat: fun(x)"] - per_call["sciflat: jitted call alone"]
+    print(f"\nwrapper overhead per call: hand {hand_over * 1e6:.0f} µs, ", end="")
+    print(f"sciflat {ours_over * 1e6:.0f} µs")
+
+    results = {k: fn() for k, fn in fits.items()}
+    times = interleaved(fits, repeats)
+    ref = times["hand jit(value_and_grad)"]
+    print(f"\n### PINN, L-BFGS-B, {iters} iterations (whole fit, compiled)\n")
+    print("| variant | time (s) | vs hand | calls | µs per call | final loss |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for name, res in results.items():
+        _, nfev = _x_nfev(res)
+        loss = (
+            res.loss
+            if isinstance(res, sciflat.FitResult)
+            else (res.fun if hasattr(res, "fun") else res.state.fun_val)
+        )
+        t = times[name]
+        per = t / nfev * 1e6
+        print(
+            f"| {name} | {t:.2f} | {t / ref:.2f}× | {nfev} | {per:.0f} | {float(loss):.2e} |"
+        )
+
+
+def _loop(fn, n):
+    def run():
+        for _ in range(n):
+            fn()
+
+    return run
+
+
+def _sciflat_jitted(net, t):
+    """The compiled value-and-gradient that sciflat calls (for the overhead split)."""
+    from sciflat import _scipy, _scipy_problem as sp
+
+    _, re = sciflat.destructure(net, dtype=jnp.float64)
+    _, rebuild = sp.split_args((t,))
+    return sp.jitted("value_and_grad", _scipy._build, pinn_loss, re, rebuild, "reverse")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--pinn-iters", type=int, default=500)
+    parser.add_argument("--only", choices=["lv", "pinn"], default=None)
+    args = parser.parse_args()
+    print(
+        f"jax {jax.__version__}, scipy {scipy.__version__}, jaxopt: {jaxopt is not None}"
+    )
+    if args.only in (None, "lv"):
+        lotka_volterra(args.repeats)
+    if args.only in (None, "pinn"):
+        pinn(args.repeats, args.pinn_iters)
