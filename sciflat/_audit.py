@@ -37,15 +37,15 @@ _MOVES = frozenset({
 _Key = tuple
 
 
-def _sub_jaxprs(eqn) -> list[tuple[str, jex.Jaxpr, tuple]]:
-    """Every jaxpr nested in `eqn`'s params, generically: (param, jaxpr, its consts)."""
+def _sub_jaxprs(eqn) -> list[tuple[str, jex.Jaxpr]]:
+    """Every jaxpr nested in `eqn`'s params, found generically: (param, jaxpr)."""
     found = []
     for name, value in eqn.params.items():
         for v in value if isinstance(value, tuple | list) else (value,):
             if isinstance(v, jex.ClosedJaxpr):
-                found.append((name, v.jaxpr, v.consts))
+                found.append((name, v.jaxpr))
             elif isinstance(v, jex.Jaxpr):
-                found.append((name, v, ()))
+                found.append((name, v))
     return found
 
 
@@ -62,20 +62,28 @@ def _inner_inputs(eqn, param: str, n: int) -> Sequence[Any]:
     return ins if len(ins) == n else [None] * n
 
 
-class _Walker:
-    def __init__(self):
-        self.counts: Counter[_Key] = Counter()
-        self.n_checked = 0
-        self._memo: dict[tuple, tuple[Counter, int]] = {}
+# Loops feed their outputs back in: an output that is data on the first iteration
+# need not be on the next, so their outputs never count as data.
+_LOOPS = frozenset({"while", "scan"})
 
-    def walk(self, jaxpr: jex.Jaxpr, data_in: tuple[bool, ...]) -> tuple[Counter, int]:
+_Walked = tuple[Counter, int, tuple[bool, ...]]  # findings, ops checked, outputs data
+
+
+class _Walker:
+    """Walks a jaxpr and every jaxpr nested in it, tracking which values are *data*:
+    inputs and constants, and what only moves them around (never computed on)."""
+
+    def __init__(self):
+        self._memo: dict[tuple, tuple[jex.Jaxpr, _Walked]] = {}
+
+    def walk(self, jaxpr: jex.Jaxpr, data_in: tuple[bool, ...]) -> _Walked:
         # The same jitted function is often called many times: walk it once.
         key = (id(jaxpr), data_in)
         if key not in self._memo:
-            self._memo[key] = (jaxpr, self._walk(jaxpr, data_in))  # keep `jaxpr` alive
+            self._memo[key] = (jaxpr, self._walk(jaxpr, data_in))  # keeps `id` valid
         return self._memo[key][1]
 
-    def _walk(self, jaxpr, data_in) -> tuple[Counter, int]:
+    def _walk(self, jaxpr: jex.Jaxpr, data_in: tuple[bool, ...]) -> _Walked:
         counts: Counter[_Key] = Counter()
         checked = 0
         data = set(jaxpr.constvars)
@@ -83,29 +91,36 @@ class _Walker:
         is_data = lambda v: isinstance(v, jex.Literal) or v in data
         for eqn in jaxpr.eqns:
             subs = _sub_jaxprs(eqn)
-            if subs:
-                for param, inner, _ in subs:
-                    outer = _inner_inputs(eqn, param, len(inner.invars))
-                    flags = tuple(x is not None and is_data(x) for x in outer)
-                    sub_counts, sub_checked = self.walk(inner, flags)
-                    # A nested jaxpr may have been traced when the user's frames were
-                    # no longer on the stack: keep the enclosing op's as a fallback.
-                    tb = eqn.source_info.traceback
-                    for (*head, chain), n in sub_counts.items():
-                        counts[(*head, (*chain, tb))] += n
-                    checked += sub_checked
+            if not subs:
+                checked += _check(eqn, is_data, counts)
+                if eqn.primitive.name in _MOVES and all(
+                    is_data(v) for v in eqn.invars if _inexact_aval(v)
+                ):
+                    data.update(eqn.outvars)
                 continue
-            checked += _check(eqn, is_data, counts)
-            if eqn.primitive.name in _MOVES and all(
-                is_data(v) for v in eqn.invars if _inexact_aval(v)
-            ):
-                data.update(eqn.outvars)
-        return counts, checked
+            out_data = [eqn.primitive.name not in _LOOPS] * len(eqn.outvars)
+            for param, inner in subs:
+                outer = _inner_inputs(eqn, param, len(inner.invars))
+                flags = tuple(x is not None and is_data(x) for x in outer)
+                sub_counts, sub_checked, sub_out = self.walk(inner, flags)
+                # A nested jaxpr may have been traced when the user's frames were no
+                # longer on the stack: keep the enclosing op's frames as a fallback.
+                tb = eqn.source_info.traceback
+                for (*head, chain), n in sub_counts.items():
+                    counts[(*head, (*chain, tb))] += n
+                checked += sub_checked
+                if len(sub_out) == len(out_data):  # a call, or a branch of a cond
+                    out_data = [a and b for a, b in zip(out_data, sub_out, strict=True)]
+                elif param != "cond_jaxpr":
+                    out_data = [False] * len(out_data)
+            data.update(v for v, d in zip(eqn.outvars, out_data, strict=True) if d)
+        out = tuple(is_data(v) for v in jaxpr.outvars)
+        return counts, checked, out
 
 
 def _inexact_aval(v) -> bool:
-    aval = getattr(v, "aval", None)
-    return hasattr(aval, "dtype") and is_inexact(aval.dtype)
+    dtype = getattr(getattr(v, "aval", None), "dtype", None)
+    return dtype is not None and is_inexact(dtype)
 
 
 def _check(eqn, is_data, counts: Counter) -> int:
@@ -251,7 +266,7 @@ def audit_dtypes(
     rule = allow_rule(allow)
     closed, out_dynamic, out_static = eqx.filter_make_jaxpr(_traced(fn, grad))(p, *args)
     walker = _Walker()
-    counts, n_checked = walker.walk(closed.jaxpr, (True,) * len(closed.jaxpr.invars))
+    counts, n_checked, _ = walker.walk(closed.jaxpr, (True,) * len(closed.jaxpr.invars))
     findings, allowed = _group(counts, expected, rule)
     name = getattr(fn, "__qualname__", None) or type(fn).__name__
     out = eqx.combine(out_dynamic, out_static)

@@ -266,6 +266,21 @@ def test_constants_stay_data_inside_scan_while_and_cond():
 
     assert not sciflat.audit_dtypes(loss, jnp.ones(3), 2, grad=False)
 
+    # Data moved around inside a jit, a cond or a checkpoint is still data outside it.
+    def moved(p):
+        c = jax.jit(jax.checkpoint(lambda c: c[::-1].reshape(3, 1)))(c32)
+        c = jax.lax.cond(p[0] > 0, lambda c: c.T, lambda c: c.T, c)
+        return jnp.sum(p * c.astype(p.dtype))
+
+    assert not sciflat.audit_dtypes(moved, jnp.ones(3))
+    computed_in_jit = lambda p: jnp.sum(p * jax.jit(jnp.exp)(c32).astype(p.dtype))
+    assert {
+        f.kind for f in sciflat.audit_dtypes(computed_in_jit, jnp.ones(3)).findings
+    } == {
+        "op",
+        "widen",
+    }
+
     def computed(p):  # the same in the loop body, from a float32 computation
         body = lambda q, _: (q * jnp.sin(c32).astype(q.dtype), None)  # SIN IN SCAN
         return jnp.sum(jax.lax.scan(body, p, length=3)[0])
