@@ -50,6 +50,20 @@ def _strong(state, dtype):
     return jax.tree.map(fix, state)
 
 
+def _place(tree, p):
+    """Every leaf committed to `p`'s device(s), as the step's outputs will be: otherwise
+    the second call sees other input shardings and compiles again."""
+    sharding = p.sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        replicated = jax.sharding.NamedSharding(
+            sharding.mesh, jax.sharding.PartitionSpec()
+        )
+    else:
+        replicated = sharding
+    place = lambda x: jax.device_put(x, sharding if x.shape == p.shape else replicated)
+    return jax.tree.map(place, tree)
+
+
 def _reuses_value(opt_state) -> bool:
     """L-BFGS & co. keep the value and gradient of the line search in their state."""
     return (
@@ -289,6 +303,7 @@ def fit(
         total=total, initial=carry.step, disable=not progress, desc="sciflat.fit"
     )
     state = (carry.p, carry.opt_state, carry.best_p, carry.best_loss, carry.last_ok)
+    state = _place(state, p)
     last_batch = first
     try:
         with _Interrupts() as interrupts:
@@ -339,8 +354,8 @@ def fit(
     else:
         if checkpoint is not None:
             _write(checkpoint, re, carry, state)
-        evaluate = jax.jit(lambda q, b, d: loss(re(q), *_data(b, d, static_args)))
-        value = float(evaluate(p, last_batch, dynamic_args))
+        # Eagerly: one forward pass is not worth a compilation.
+        value = float(loss(re(p), *_data(last_batch, dynamic_args, static_args)))
         if not np.isfinite(value):
             status = "nonfinite"
             message = (

@@ -34,6 +34,7 @@ def xy(dtype=jnp.float64):
     return jnp.asarray(X, dtype), jnp.asarray(Y, dtype)
 
 
+ADAM = optax.adam(1e-2)
 OPTIMIZERS = {
     "adam": lambda: optax.adam(1e-2),
     "adamw": lambda: optax.adamw(1e-2),
@@ -132,6 +133,25 @@ def test_compiled_once(adam_runs, lbfgs_runs):
     # `loss` is traced per compilation, not per step: 12 steps cost what 6 steps cost.
     for _, traces in (adam_runs, lbfgs_runs):
         assert traces["full"] == traces["rest"]
+
+
+def test_one_compilation_per_fit_also_when_resuming(tmp_path, caplog):
+    # Compiling again for other input shardings would not show in a trace count.
+    path = tmp_path / "ckpt.npz"
+    kwargs = dict(steps=6, args=xy(), progress=False, checkpoint=path)
+    with jax.log_compiles(True), caplog.at_level("WARNING"):
+        sciflat.fit(loss, linear(), ADAM, callback=interrupt_at(3), **kwargs)
+        first = sum(
+            r.getMessage().startswith("Compiling jit(step)") for r in caplog.records
+        )
+        sciflat.fit(loss, linear(), ADAM, resume=True, **kwargs)
+        second = (
+            sum(
+                r.getMessage().startswith("Compiling jit(step)") for r in caplog.records
+            )
+            - first
+        )
+    assert first == second == 1
 
 
 def test_batches_one_per_step_resume_and_running_out(tmp_path):
