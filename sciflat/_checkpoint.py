@@ -40,7 +40,7 @@ def check_state_leaves(opt_state) -> None:
                 f"The optimiser state has a leaf of type {type(x).__name__}; "
                 "checkpoints store array leaves only."
             )
-        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
             raise TypeError(
                 "The optimiser state holds a typed PRNG key; checkpoints store plain "
                 "arrays only. Use a raw key (`jax.random.PRNGKey`) in the optimiser."

@@ -12,6 +12,7 @@ import zipfile
 from typing import Any, TypeVar
 
 import jax
+import jax.core  # `jax.core.Tracer`: imported explicitly so type checkers see it
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
@@ -101,7 +102,8 @@ def write_atomic(path, arrays: dict[str, np.ndarray], head: dict[str, Any]) -> N
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".sciflat-", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
+            # The keys are array names, never `allow_pickle`.
+            np.savez(f, **arrays)  # pyright: ignore[reportArgumentType]
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -33,12 +33,11 @@ def as_flat_vector(p, size: int, who: str) -> jax.Array:
         )
     if isinstance(p, np.ndarray | np.generic):
         check_representable(dtype, f"`p` (a NumPy array given to {who})")
-    if np.ndim(p) != 1:
+    shape: tuple[int, ...] = tuple(np.shape(p))
+    if len(shape) != 1:
         raise ValueError(
-            f"{who} expected a 1-D vector of length {size}, got shape {tuple(np.shape(p))}."
+            f"{who} expected a 1-D vector of length {size}, got shape {shape}."
         )
-    if np.shape(p)[0] != size:
-        raise ValueError(
-            f"{who} expected a vector of length {size}, got {np.shape(p)[0]}."
-        )
+    if shape[0] != size:
+        raise ValueError(f"{who} expected a vector of length {size}, got {shape[0]}.")
     return p if isinstance(p, jax.Array) else jnp.asarray(p)
