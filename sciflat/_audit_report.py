@@ -108,8 +108,11 @@ class Finding:
     `kind` is `"op"` (an operation whose output has an unexpected floating dtype),
     `"narrow"` / `"widen"` (a `convert_element_type` to a smaller / larger floating
     dtype) or `"convert"` (between floating dtypes of one size, e.g. float16 and
-    bfloat16). `source` is `None` for an `"op"`; `count` is how many operations of
-    the jaxpr (nested ones included) fall in this group.
+    bfloat16). `primitive` is the JAX primitive's name (`"dot_general"`,
+    `"convert_element_type"`, ...); `source` is the dtype converted from (`None` for an
+    `"op"`); `dtype` the dtype of the output; `where` the line of the user's code
+    (`where.file`, `where.line`, `where.function`); `count` how many operations of the
+    traced program (nested ones included) fall in this group.
     """
 
     kind: Kind
@@ -137,6 +140,17 @@ class DtypeReport:
     `len(report)` is the number of groups found, so a clean report is falsy. `out`
     holds the `jax.ShapeDtypeStruct`s of what was traced: `fn(p, *args)`, or
     `(fn(p, *args), gradient)` for `grad=True`.
+
+    !!! Example
+
+        ```python
+        report = sciflat.audit_dtypes(loss, p, x)
+        print(report)  # op, dtypes, count, file:line
+        for finding in report.findings:
+            print(finding.primitive, finding.dtypes, finding.where.line)
+        value, grad = report.out
+        assert grad.dtype == p.dtype
+        ```
     """
 
     name: str
