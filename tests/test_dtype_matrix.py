@@ -230,6 +230,32 @@ def test_scipy_objective(name, monkeypatch):
     assert result.p.dtype == F64
 
 
+@pytest.mark.parametrize("name", MODELS)
+def test_scipy_least_squares(name, monkeypatch):
+    model, x, spec, p, re = _setup(name, F64)
+    residuals = lambda model, x: jnp.ravel(model(x))
+    sciflat.assert_dtypes(lambda p, x: residuals(re(p), x), p, x)
+    seen = {}
+    real_least_squares = scipy.optimize.least_squares
+
+    def spy(fun, x0, *args, jac, **kwargs):
+        seen["r"], seen["J"] = fun(np.array(x0)), jac(np.array(x0))
+        return real_least_squares(fun, x0, *args, jac=jac, **kwargs)
+
+    monkeypatch.setattr(scipy.optimize, "least_squares", spy)
+    result = sciflat.least_squares(
+        residuals, model, x, filter_spec=spec, max_nfev=2, progress=False
+    )
+    r, J = seen["r"], seen["J"]
+    assert r.dtype == F64 and J.dtype == F64 and J.shape == (r.size, len(p))
+    # J^T r is the gradient of 0.5 |r|^2: compare it with the plain pytree's.
+    half_sq = lambda model, x: 0.5 * jnp.sum(residuals(model, x) ** 2)
+    ref_value, ref_grad = reference(half_sq, model, re, F64, x)
+    assert_close(0.5 * np.sum(r**2), ref_value, F64)
+    assert_close(J.T @ r, ref_grad, F64)
+    assert result.p.dtype == F64
+
+
 #
 # Diffrax through `sciflat.vector_field`: explicit and implicit solvers, checkpointed
 # and backsolve adjoints. Traced for every case; executed for one.
