@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import sciflat
 
@@ -291,3 +292,65 @@ def test_constants_stay_data_inside_scan_while_and_cond():
         ("widen", "convert_element_type"),
     }
     assert {f.where.line for f in report.findings} == {_line("# SIN IN SCAN")}
+
+
+#
+# Property: on random chains of ops, each wrapped at random in jit / scan / cond /
+# checkpoint, a float32 stretch planted anywhere is found exactly: one narrowing at
+# its start, one float32 op per op inside it, one widening at its end.
+#
+
+_OPS = {
+    "sin": jnp.sin,
+    "tanh": jnp.tanh,
+    "mul": lambda x: x * x,
+    "add": lambda x: x + 1.5,
+}
+_WRAPS = {
+    "none": lambda f, x, pred: f(x),
+    "jit": lambda f, x, pred: jax.jit(f)(x),
+    "scan": lambda f, x, pred: jax.lax.scan(lambda c, _: (f(c), None), x, length=2)[0],
+    "cond": lambda f, x, pred: jax.lax.cond(pred, f, lambda y: y, x),
+    "checkpoint": lambda f, x, pred: jax.checkpoint(f)(x),
+}
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(st.sampled_from(sorted(_OPS)), st.sampled_from(sorted(_WRAPS))),
+        min_size=1,
+        max_size=6,
+    ),
+    data=st.data(),
+)
+def test_planted_float32_stretch_is_found_exactly(steps, data):
+    start = data.draw(st.integers(0, len(steps)), label="start")
+    stop = data.draw(st.integers(start, len(steps)), label="stop")
+
+    def chain(p):
+        x, pred = p, p[0] > 0
+        for i, (op, wrap) in enumerate(steps):
+            if i == start:
+                x = x.astype(jnp.float32)
+            if i == stop:
+                x = x.astype(p.dtype)
+            x = _WRAPS[wrap](_OPS[op], x, pred)
+        if stop == len(steps):
+            x = x.astype(p.dtype)
+        return jnp.sum(x)
+
+    report = sciflat.audit_dtypes(chain, jnp.ones(3), grad=False)
+    inside = [op for op, _ in steps[start:stop]]
+    want = {("op", _OPS_PRIMITIVE[op], "float32"): inside.count(op) for op in inside}
+    if start < len(steps):  # else nothing was planted
+        want[("narrow", "convert_element_type", "float64 -> float32")] = 1
+        want[("widen", "convert_element_type", "float32 -> float64")] = 1
+    got = {}
+    for f in report.findings:
+        key = (f.kind, f.primitive, f.dtypes)
+        got[key] = got.get(key, 0) + f.count
+    assert got == want, str(report)
+
+
+_OPS_PRIMITIVE = {"sin": "sin", "tanh": "tanh", "mul": "mul", "add": "add"}
