@@ -38,11 +38,11 @@ def closed_form_loss(model: Linear, y0):
 
 
 @ft.cache
-def solve_grad(solver_name: str, adjoint_name: str, dtype_name: str):
+def solve_grad(solver_name: str, adjoint_name: str, dtype_name: str, args: str = "p"):
     """Value and gradient of sum(y(T)^2) w.r.t. `p`, jitted once per combination."""
     dtype = jnp.dtype(dtype_name)
     _, re = sciflat.destructure(Linear(jnp.asarray(A0, dtype)))
-    term = diffrax.ODETerm(sciflat.vector_field(re))
+    term = diffrax.ODETerm(sciflat.vector_field(re, args=args))  # pyright: ignore
     solver = getattr(diffrax, solver_name)()
     adjoint = getattr(diffrax, adjoint_name)()
     tol = 1e-10 if dtype == jnp.float64 else 1e-6
@@ -57,7 +57,7 @@ def solve_grad(solver_name: str, adjoint_name: str, dtype_name: str):
             t1,
             dt0,
             y0,
-            args=p,
+            args=p if args == "p" else re(p),
             adjoint=adjoint,
             stepsize_controller=controller,
             max_steps=4096,
@@ -96,20 +96,21 @@ def foreign_float_ops(jaxpr, dtype) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    "solver, adjoint",
+    "solver, adjoint, args",
     [
-        ("Tsit5", "RecursiveCheckpointAdjoint"),
-        ("Dopri5", "RecursiveCheckpointAdjoint"),
-        ("Kvaerno5", "RecursiveCheckpointAdjoint"),
-        ("Tsit5", "BacksolveAdjoint"),
-        ("Tsit5", "DirectAdjoint"),
+        ("Tsit5", "RecursiveCheckpointAdjoint", "p"),
+        ("Dopri5", "RecursiveCheckpointAdjoint", "p"),
+        ("Kvaerno5", "RecursiveCheckpointAdjoint", "p"),
+        ("Tsit5", "BacksolveAdjoint", "p"),
+        ("Tsit5", "DirectAdjoint", "p"),
+        ("Tsit5", "BacksolveAdjoint", "model"),  # args=re(p): through `re`, outside
     ],
 )
-def test_gradient_matches_closed_form_float64(solver, adjoint):
+def test_gradient_matches_closed_form_float64(solver, adjoint, args):
     model = Linear(jnp.asarray(A0))
     p, _ = sciflat.destructure(model)
     y0 = jnp.asarray(Y0)
-    value, grad = solve_grad(solver, adjoint, "float64")[1](p, y0)
+    value, grad = solve_grad(solver, adjoint, "float64", args)[1](p, y0)
     ref_value, ref_grad = jax.value_and_grad(closed_form_loss)(model, y0)
     assert grad.dtype == p.dtype == jnp.float64
     np.testing.assert_allclose(value, ref_value, rtol=1e-8)
@@ -295,6 +296,27 @@ def test_signatures(model, signature, extra, expected):
     out = f(jnp.asarray(0.5), jnp.asarray(3.0), args)
     assert out.dtype == jnp.float64
     np.testing.assert_allclose(out, expected)
+
+
+def test_args_model_is_the_same_field_as_args_p():
+    model = UDE(jax.random.key(0))
+    p, re = sciflat.destructure(model, dtype=jnp.float64)
+    y = jnp.asarray([1.0, 0.5])
+    by_p = lambda p: sciflat.vector_field(re)(0.3, y, p)
+    by_model = lambda p: sciflat.vector_field(re, args="model")(0.3, y, (re(p), None))
+    np.testing.assert_allclose(by_model(p), by_p(p), rtol=1e-14)
+    jac_p, jac_model = jax.jacrev(by_p)(p), jax.jacrev(by_model)(p)
+    assert jac_model.dtype == jnp.float64
+    np.testing.assert_allclose(jac_model, jac_p, rtol=1e-14)
+    f = sciflat.vector_field(re, args="model")
+    with pytest.raises(TypeError, match="must be the model rebuilt by `re"):
+        f(0.3, y, p)
+    with pytest.raises(
+        TypeError, match="`y` has dtype float32, but `p` has dtype float64"
+    ):
+        f(0.3, y.astype(jnp.float32), re(p))
+    with pytest.raises(ValueError, match="`args` must be 'p' or 'model'"):
+        sciflat.vector_field(re, args="flat")  # pyright: ignore[reportArgumentType]
 
 
 def test_time_reaches_the_model_in_p_dtype():
