@@ -18,7 +18,7 @@ from ._audit_report import (
     allow_rule,
     user_location,
 )
-from ._dtypes import is_inexact, real_dtype
+from ._dtypes import check_representable, is_inexact, real_dtype
 
 
 #
@@ -167,6 +167,7 @@ def _expected_dtype(p, expect) -> np.dtype:
             raise TypeError(
                 f"`expect` must be a real floating dtype, got {dtype.name}."
             )
+        check_representable(dtype, "`expect`")
         return dtype
     dtypes = {
         real_dtype(x.dtype)
@@ -179,7 +180,9 @@ def _expected_dtype(p, expect) -> np.dtype:
             "`p` must be a floating array (or a pytree of arrays of one floating "
             f"dtype) to say which dtype to expect, got {got}. Pass `expect=` instead."
         )
-    return dtypes.pop()
+    dtype = dtypes.pop()
+    check_representable(dtype, "`p`")  # else JAX would trace it in 32 bits
+    return dtype
 
 
 def _traced(fn: Callable, grad: bool) -> Callable:

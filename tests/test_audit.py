@@ -294,6 +294,15 @@ def test_constants_stay_data_inside_scan_while_and_cond():
     assert {f.where.line for f in report.findings} == {_line("# SIN IN SCAN")}
 
 
+def test_64_bit_p_without_x64_is_refused(x64_off):
+    p = np.ones(3)  # a NumPy float64 array: JAX would trace it as float32
+    with pytest.raises(TypeError, match="jax_enable_x64"):
+        sciflat.audit_dtypes(lambda p: jnp.sum(p**2), p)
+    with pytest.raises(TypeError, match="jax_enable_x64"):
+        sciflat.audit_dtypes(lambda p: jnp.sum(p**2), jnp.ones(3), expect="float64")
+    assert not sciflat.audit_dtypes(lambda p: jnp.sum(p**2), np.ones(3, np.float32))
+
+
 #
 # Property: on random chains of ops, each wrapped at random in jit / scan / cond /
 # checkpoint, a float32 stretch planted anywhere is found exactly: one narrowing at
