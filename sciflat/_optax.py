@@ -107,7 +107,13 @@ def _make_step(loss, re, optimizer, static_args, reuse_value: bool):
         best_p = jnp.where(better, p, best_p)
         best_loss = jnp.where(better, value, best_loss)
         last_ok = jnp.where(ok, p, last_ok)
-        flags = (bad_leaves(p), bad_leaves(grad))
+        # Which leaves went bad, per leaf: only worked out when something did.
+        n = len(segments)
+        flags = jax.lax.cond(
+            ok,
+            lambda: (jnp.zeros(n, bool), jnp.zeros(n, bool)),
+            lambda: (bad_leaves(p), bad_leaves(grad)),
+        )
         return (new_p, new_state, best_p, best_loss, last_ok), value, ok, flags
 
     return step
@@ -305,18 +311,18 @@ def fit(
     state = (carry.p, carry.opt_state, carry.best_p, carry.best_loss, carry.last_ok)
     state = _place(state, p)
     last_batch = first
+    n_left = None if steps is None else max(steps - carry.step, 0)
+    # Without a callback or checkpoints, nothing needs the parameters between steps:
+    # step k+1 is dispatched before step k's loss is read, so the device never waits.
+    pipelined = callback is None and checkpoint is None
     try:
         with _Interrupts() as interrupts:
-            while steps is None or carry.step < steps:
-                batch = next(feed, _END)
-                if batch is _END:
-                    status = "max_steps"
-                    message = f"`batches` ran out after {carry.step} steps."
-                    break
-                if interrupts.requested:
-                    raise KeyboardInterrupt
-                state, value, ok, flags = step(*state, batch, dynamic_args)
+            steps_run = _dispatch(step, state, dynamic_args, feed, n_left, interrupts)
+            for state, value, ok, flags, batch in (
+                _one_ahead(steps_run) if pipelined else steps_run
+            ):
                 last_batch = batch
+                value, ok = jax.device_get((value, ok))  # one transfer
                 value, ok = float(value), bool(ok)
                 if not ok:
                     status = "nonfinite"
@@ -332,6 +338,9 @@ def fit(
                     break
                 if checkpoint is not None and carry.step % checkpoint_every == 0:
                     _write(checkpoint, re, carry, state)
+            else:
+                if steps is None or carry.step < steps:
+                    message = f"`batches` ran out after {carry.step} steps."
     except KeyboardInterrupt:
         status = "interrupted"
         message = f"Interrupted (KeyboardInterrupt) after {carry.step} steps"
@@ -367,6 +376,32 @@ def fit(
 
 
 _END = object()
+
+
+def _dispatch(step, state, dynamic_args, feed, n_left, interrupts):
+    """Runs the steps lazily, one per `next`; Ctrl-C is honoured between steps."""
+    for batch in itertools.islice(feed, n_left):
+        if interrupts.requested:
+            raise KeyboardInterrupt
+        state, value, ok, flags = step(*state, batch, dynamic_args)
+        yield state, value, ok, flags, batch
+
+
+def _one_ahead(steps_run):
+    """Yields step k once step k+1 is dispatched (or there is none, or Ctrl-C came).
+    `p` and the optimiser state of step k are then donated to step k+1, but what a
+    stop needs of step k (its loss, flags, best and last finite points) is not."""
+    previous = next(steps_run, _END)
+    if previous is _END:
+        return
+    try:
+        for current in steps_run:
+            yield previous
+            previous = current
+    except KeyboardInterrupt:
+        yield previous  # not donated yet: recorded before the interrupt is handled
+        raise
+    yield previous
 
 
 def _data(batch, dynamic_args, static_args):

@@ -293,6 +293,28 @@ def test_real_sigint_stops_after_the_current_step():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+def test_sigint_without_callback_or_checkpoint(tmp_path):
+    # No callback and no checkpoint: step k+1 is dispatched before step k's loss is
+    # read. Ctrl-C must still record every step run and leave a usable state.
+    x, y = xy()
+
+    def batches():
+        for i in range(100):
+            if i == 3:
+                os.kill(os.getpid(), signal.SIGINT)
+            yield x, y
+
+    batch_loss = lambda m, b: loss(m, *b)
+    result = sciflat.fit(batch_loss, linear(), ADAM, batches=batches(), progress=False)
+    assert result.status == "interrupted" and result.n_steps == 3
+    full = sciflat.fit(
+        batch_loss, linear(), ADAM, steps=3, batches=batches(), progress=False
+    )
+    np.testing.assert_array_equal(result.history, full.history)
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(result.raw))
+    assert result.loss == min(result.history)
+
+
 def test_callback_sees_the_model_and_can_stop():
     seen = []
 
