@@ -76,16 +76,16 @@ def least_squares(
         raise ValueError(f"`method` must be one of {_METHODS}, got {method!r}.")
     if method == "lm" and bounds is not None:
         raise ValueError("`method='lm'` does not take bounds; use 'trf' or 'dogbox'.")
-    x0, re = sp.start(model, x0, filter_spec, "least_squares")
-    lb_ub = flat_bounds(bounds, re, x0)
+    start, re = sp.start(model, x0, filter_spec, "least_squares")
+    lb_ub = flat_bounds(bounds, re, start)
     leaves, rebuild = sp.split_args(args)
 
     get = lambda kind, mode: sp.jitted(kind, _build, residuals, re, rebuild, mode)
     res_fn = get("residuals", "none")
-    m = jax.eval_shape(res_fn, x0, leaves).shape[0]
+    m = jax.eval_shape(res_fn, start, leaves).shape[0]
     modes = sp.choose_modes(mode, len(re) <= m)
     jac_fn, used = sp.compile_first_working(
-        modes, lambda m: get("jacobian", m), (x0, leaves)
+        modes, lambda m: get("jacobian", m), (start, leaves)
     )
     limit = sp.blas_threads_limit(blas_threads, len(re) * m)
     tracker = sp.Tracker(re, callback, progress, f"least_squares ({method})")
@@ -130,46 +130,22 @@ def least_squares(
         )
         return out
 
-    try:
+    def call():
         with limit:
-            res = scipy.optimize.least_squares(
-                fun,
-                x0,
-                jac=jac,
-                method=method,
-                bounds=lb_ub if lb_ub is not None else (-np.inf, np.inf),
-                **kwargs,
-            )
-        x, value, status, message = (
-            res.x,
-            float(res.cost),
-            _status(res),
-            str(res.message),
-        )
-    except KeyboardInterrupt:
-        res, status, message = (
-            None,
-            "interrupted",
-            "Interrupted (Ctrl-C); `p` is the best point seen.",
-        )
-    except sp.NonFinite as e:
-        res, status, message = None, "nonfinite", e.message
-    finally:
-        tracker.close()
-    if res is None:
-        x = tracker.best_x if tracker.best_x is not None else x0
-        value = float(tracker.best_f)
+            return scipy.optimize.least_squares(
+                fun, start, jac=jac, method=method,  # pyright: ignore[reportArgumentType]
+                bounds=lb_ub if lb_ub is not None else (-np.inf, np.inf), **kwargs,
+            )  # fmt: skip
+
+    res, status, message, x, value = sp.run(call, tracker, start)
+    if res is not None:
+        status, value = _status(res), res.cost
     p = jnp.asarray(np.asarray(x, dtype=np.float64))
     return FitResult(
-        model=re(p),
-        p=p,
-        loss=value,
-        status=status,  # pyright: ignore[reportArgumentType]
-        message=f"{message} (Jacobian: {used} mode)",
-        history=np.asarray(tracker.history),
-        n_steps=len(tracker.history),
-        raw=res,
-    )
+        model=re(p), p=p, loss=float(value), status=status,
+        message=f"{message} (Jacobian: {used} mode)", history=np.asarray(tracker.history),
+        n_steps=len(tracker.history), raw=res,
+    )  # fmt: skip
 
 
 def _build(kind: str, residuals, re, rebuild, mode: str) -> Callable:

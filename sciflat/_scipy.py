@@ -86,7 +86,7 @@ def minimize(
 
         ```python
         result = sciflat.minimize(lambda m, x, y: jnp.mean((m(x) - y) ** 2), model, x, y,
-                                  bounds={lambda m: m.rates: (0.0, None)})
+                                  bounds={(lambda m: m.rates): (0.0, None)})
         result.model, result.loss, result.raw  # fitted model, loss, SciPy's result
         ```
 
@@ -117,58 +117,32 @@ def minimize(
     if clash := [k for k in _OURS if k in kwargs]:
         raise TypeError(f"`minimize` computes {clash} itself; do not pass them.")
     name = _check_method(method, bounds)
-    x0, re = sp.start(model, x0, filter_spec, "minimize")
-    scipy_bounds = flat_bounds(bounds, re, x0)
+    start, re = sp.start(model, x0, filter_spec, "minimize")
+    scipy_bounds = flat_bounds(bounds, re, start)
     leaves, rebuild = sp.split_args(args)
-
     limit = sp.blas_threads_limit(blas_threads, len(re))
     tracker = sp.Tracker(re, callback, progress, f"minimize ({method})")
-    fun, used, extra = _objective((loss, re, rebuild), name, mode, x0, leaves, tracker)
-    message = ""
-    try:
+    fun, used, extra = _objective(
+        (loss, re, rebuild), name, mode, start, leaves, tracker
+    )
+
+    def call():
         with limit:
-            res = scipy.optimize.minimize(
-                fun,
-                x0,
-                method=method,
-                bounds=_as_scipy(scipy_bounds),
-                tol=tol,
-                options=options,
-                callback=_scipy_callback(fun, tracker),
-                **extra,
-                **kwargs,
-            )
-        x, value, status, n = (
-            res.x,
-            float(res.fun),
-            _status(res),
-            int(res.get("nit", len(tracker.history))),
-        )
-        message = str(res.message)
-    except KeyboardInterrupt:
-        res, status, message = (
-            None,
-            "interrupted",
-            "Interrupted (Ctrl-C); `p` is the best point seen.",
-        )
-    except sp.NonFinite as e:
-        res, status, message = None, "nonfinite", e.message
-    finally:
-        tracker.close()
-    if res is None:
-        x = tracker.best_x if tracker.best_x is not None else x0
-        value, n = float(tracker.best_f), len(tracker.history)
+            return scipy.optimize.minimize(
+                fun, start, method=method, bounds=_as_scipy(scipy_bounds), tol=tol,
+                options=options, callback=_scipy_callback(fun, tracker), **extra, **kwargs,
+            )  # fmt: skip
+
+    res, status, message, x, value = sp.run(call, tracker, start)
+    n = len(tracker.history)
+    if res is not None:
+        status, value, n = _status(res), float(res.fun), int(res.get("nit", n))
     p = jnp.asarray(np.asarray(x, dtype=np.float64))
     return FitResult(
-        model=re(p),
-        p=p,
-        loss=value,
-        status=status,  # pyright: ignore[reportArgumentType]
-        message=f"{message} (gradient: {used})",
-        history=np.asarray(tracker.history),
-        n_steps=n,
-        raw=res,
-    )
+        model=re(p), p=p, loss=float(value), status=status,
+        message=f"{message} (gradient: {used})", history=np.asarray(tracker.history),
+        n_steps=n, raw=res,
+    )  # fmt: skip
 
 
 def _as_scipy(bounds):
@@ -201,20 +175,8 @@ def _objective(problem, name: str, mode, x0, leaves, tracker: sp.Tracker):
     get = lambda kind, mode: sp.jitted(kind, _build, *problem, mode)
     example = (x0, leaves)
     if name in _GRADIENT_FREE:
-        value = get("value", "none")
-        value.lower(*example)
-
-        def fun(x):
-            v = np.asarray(value(x, leaves))
-            if not np.isfinite(v):
-                where = f"call {tracker.n_calls + 1} (iteration {len(tracker.history)})"
-                raise sp.NonFinite(
-                    sp.nonfinite_message(f"The loss is {v}", where, x, None, re)
-                )
-            tracker.seen(x, float(v))
-            return v
-
-        return fun, "none, gradient-free method", {}
+        value_only = _value_only(get("value", "none"), example, tracker, re)
+        return value_only, "none, gradient-free method", {}
 
     modes = sp.choose_modes(mode, len(re) <= sp.FORWARD_MAX_PARAMS)
     both, used = sp.compile_first_working(
@@ -246,6 +208,23 @@ def _objective(problem, name: str, mode, x0, leaves, tracker: sp.Tracker):
         hess = get("hess", used)
         extra["hess"] = lambda x: np.asarray(hess(x, leaves))
     return fun, f"{used} mode", extra
+
+
+def _value_only(value, example, tracker: sp.Tracker, re):
+    value.lower(*example)
+    leaves = example[1]
+
+    def fun(x):
+        v = np.asarray(value(x, leaves))
+        if not np.isfinite(v):
+            where = f"call {tracker.n_calls + 1} (iteration {len(tracker.history)})"
+            raise sp.NonFinite(
+                sp.nonfinite_message(f"The loss is {v}", where, x, None, re)
+            )
+        tracker.seen(x, float(v))
+        return v
+
+    return fun
 
 
 def _scipy_callback(fun, tracker: sp.Tracker):

@@ -231,5 +231,24 @@ class Tracker:
         if self.callback is not None:
             self.callback(self.re(jnp.asarray(x)), f)
 
+    def best(self, x0: np.ndarray) -> tuple[np.ndarray, float]:
+        return (x0, np.inf) if self.best_x is None else (self.best_x, self.best_f)
+
     def close(self) -> None:
         self.bar.close()
+
+
+def run(call: Callable[[], Any], tracker: Tracker, x0: np.ndarray) -> tuple:
+    """SciPy's result, or a clean stop: `(raw or None, status or None, message, x, loss)`.
+
+    `status` is None when SciPy returned (the caller reads SciPy's own status)."""
+    try:
+        res = call()
+    except KeyboardInterrupt:
+        message = "Interrupted (Ctrl-C); `p` is the best point seen."
+        return None, "interrupted", message, *tracker.best(x0)
+    except NonFinite as e:
+        return None, "nonfinite", e.message, *tracker.best(x0)
+    finally:
+        tracker.close()
+    return res, None, str(res.message), res.x, None
