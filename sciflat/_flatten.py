@@ -7,6 +7,7 @@ from typing import Any, Generic, TypeVar
 
 import equinox as eqx
 import jax
+import jax.core  # `jax.core.Tracer`: imported explicitly so type checkers see it
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
@@ -316,8 +317,8 @@ def _ravel(arrays: list, dtype: np.dtype, like) -> jax.Array:
         )
     parts = []
     for x in arrays:
-        x = np.ravel(np.asarray(x))
-        parts += [x.real, x.imag] if is_complex(x.dtype) else [x]
+        x = np.asarray(x).ravel()
+        parts += [np.real(x), np.imag(x)] if is_complex(x.dtype) else [x]
     flat = np.concatenate([x.astype(dtype) for x in parts] or [np.zeros(0, dtype)])
     device = like.sharding if isinstance(like, jax.Array) else None
     return jax.device_put(flat, device)
