@@ -46,9 +46,10 @@ def _traced(fn: Callable, grad: bool) -> Callable:
         return fn
 
     def value_and_grad(p, *args):
-        out, vjp = jax.vjp(lambda p: fn(p, *args), p)
-        (g,) = vjp(jax.tree.map(jnp.ones_like, out))
-        return out, g
+        # filter_vjp: `p` may be a whole model, functions and integer leaves included.
+        out, vjp = eqx.filter_vjp(lambda p: fn(p, *args), p)
+        (grad,) = vjp(jax.tree.map(jnp.ones_like, out))
+        return out, grad
 
     return value_and_grad
 

@@ -294,6 +294,18 @@ def test_constants_stay_data_inside_scan_while_and_cond():
     assert {f.where.line for f in report.findings} == {_line("# SIN IN SCAN")}
 
 
+def test_p_can_be_a_whole_model():
+    # A model with functions (activations) among its leaves.
+    mlp = eqx.nn.MLP(3, 2, 4, 1, dtype=jnp.float32, key=jax.random.key(0))
+    loss = lambda model, x: jnp.sum(model(x) ** 2)  # MODEL LOSS
+    report = sciflat.assert_dtypes(loss, mlp, jnp.ones(3, jnp.float32))
+    value, grads = report.out
+    assert value.dtype == F32 and grads.layers[0].weight.dtype == F32
+    found = sciflat.audit_dtypes(loss, mlp, jnp.ones(3))  # float64 data: promotes
+    assert {f.where.line for f in found.findings} >= {_line("# MODEL LOSS")}
+    assert F64 in {f.dtype for f in found.findings}
+
+
 def test_64_bit_p_without_x64_is_refused(x64_off):
     p = np.ones(3)  # a NumPy float64 array: JAX would trace it as float32
     with pytest.raises(TypeError, match="jax_enable_x64"):
