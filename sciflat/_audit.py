@@ -108,7 +108,9 @@ def audit_dtypes(
 
     - `fn`: the function, called as `fn(p, *args)`; for `grad=True` its outputs must
         be floating (the gradient traced is that of the sum of each output).
-    - `p`: the parameters, usually the flat vector of [`sciflat.destructure`][].
+    - `p`: the parameters, usually the flat vector of [`sciflat.destructure`][]; any
+        pytree works (a whole model: the gradient is then with respect to its
+        floating arrays, and `expect` is needed if they have several dtypes).
     - `*args`: the other arguments: arrays, `jax.ShapeDtypeStruct`s or any pytree
         (non-array leaves are static).
     - `grad`: also trace the gradient with respect to `p`.
