@@ -196,6 +196,16 @@ def test_allow_list():
         loss, p, allow=[lambda f: f.where.line == _line("# PLANTED")]
     )
     assert {f.where.line for f in by_line.findings} == {_line("# NARROW")}
+    # Narrowing is reported even for data: rounding a float64 constant loses digits.
+    c64 = jnp.linspace(0, 1, 3, dtype=jnp.float64)
+    rounds = lambda p: jnp.sum(p * c64.astype(p.dtype))
+    p32 = jnp.ones(3, jnp.float32)
+    (narrow,) = sciflat.audit_dtypes(rounds, p32).findings
+    assert (narrow.kind, narrow.source, narrow.dtype) == ("narrow", F64, F32)
+    allowed = sciflat.audit_dtypes(
+        rounds, p32, allow=[("convert_element_type", "float64")]
+    )
+    assert not allowed and len(allowed.allowed) == 1
     # bfloat16 allowed does not allow float32.
     assert len(sciflat.audit_dtypes(loss, p, allow=["bfloat16"])) == len(full)
     with pytest.raises(TypeError, match="allow"):
