@@ -507,3 +507,15 @@ def test_blas_threads_limited_during_the_fit_only():
     assert during and all(threads == before for threads in during)
     with pytest.raises(ValueError, match="`blas_threads` must be"):
         fit(blas_threads=0)
+
+
+def test_scipy_iterate_reaches_the_model_unrounded(monkeypatch):
+    # 1 + 1e-12 is not a float32: rounded, the loss at the target would not be zero.
+    target = jnp.asarray([1.0 + 1e-12, -(1.0 + 3e-12)])
+    loss = lambda m, c: jnp.sum((m["w"] - c) ** 2)
+    seen = _spy(monkeypatch, "minimize")
+    sciflat.minimize(loss, {"w": jnp.zeros(2, jnp.float32)}, target, progress=False)
+    value, grad = seen["fun"](np.asarray(target))
+    assert value == 0.0 and np.all(grad == 0.0)
+    value, _ = seen["fun"](np.asarray(target) + np.array([1e-12, 0.0]))
+    assert value == pytest.approx(1e-24, rel=1e-3)
