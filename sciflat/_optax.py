@@ -5,11 +5,8 @@ once; a stop on a non-finite loss or gradient that names the leaves; Ctrl-C retu
 best point so far; atomic checkpoints that resume bit for bit.
 """
 
-import functools as ft
 import itertools
 import os
-import signal
-import threading
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
@@ -22,134 +19,14 @@ from jaxtyping import PyTree
 from tqdm.auto import tqdm
 
 from . import _checkpoint
+from ._fit_loop import END, Interrupts, dispatch, one_ahead
+from ._fit_step import check_loss_output, make_step, place, reuses_value, strong
 from ._flatten import destructure
 from ._io import nonfinite_paths
 from ._result import FitResult
 
 
 _M = TypeVar("_M")
-
-#
-# The compiled step
-#
-
-
-def _strong(state, dtype):
-    """Own buffers for every leaf; weakly typed (Python-scalar-like) leaves become strong,
-    floats in `dtype`, so the step's inputs and outputs match and it compiles once."""
-
-    def fix(x):
-        x = jnp.array(
-            x, copy=True
-        )  # leaves may share buffers (with `p` too): all donated
-        if not x.weak_type:
-            return x
-        floating = jnp.issubdtype(x.dtype, jnp.floating)
-        return jax.lax.convert_element_type(x, dtype if floating else x.dtype)
-
-    return jax.tree.map(fix, state)
-
-
-def _place(tree, p):
-    """Every leaf committed to `p`'s device(s), as the step's outputs will be: otherwise
-    the second call sees other input shardings and compiles again."""
-    sharding = p.sharding
-    if isinstance(sharding, jax.sharding.NamedSharding):
-        replicated = jax.sharding.NamedSharding(
-            sharding.mesh, jax.sharding.PartitionSpec()
-        )
-    else:
-        replicated = sharding
-    place = lambda x: jax.device_put(x, sharding if x.shape == p.shape else replicated)
-    return jax.tree.map(place, tree)
-
-
-def _reuses_value(opt_state) -> bool:
-    """L-BFGS & co. keep the value and gradient of the line search in their state."""
-    return (
-        optax.tree.get(opt_state, "value") is not None
-        and optax.tree.get(opt_state, "grad") is not None
-    )
-
-
-def _make_step(loss, re, optimizer, static_args, reuse_value: bool):
-    opt = optax.with_extra_args_support(optimizer)
-    segments = [
-        (leaf["offset"], leaf["size"])
-        for leaf in re.layout()
-        if leaf["kind"] == "trainable" and leaf["tied_to"] is None
-    ]
-
-    def bad_leaves(x):
-        return jnp.stack([~jnp.all(jnp.isfinite(x[o : o + s])) for o, s in segments])
-
-    # `p` and the optimiser state are donated; `best_p` is not, so Ctrl-C can return it.
-    @ft.partial(jax.jit, donate_argnums=(0, 1))
-    def step(p, state, best_p, best_loss, last_ok, batch, dynamic_args):
-        args = eqx.combine(dynamic_args, static_args)
-        data = args if batch is None else (batch, *args)
-        f = lambda q: loss(re(q), *data)
-        if reuse_value:
-            value, grad = optax.value_and_grad_from_state(f)(p, state=state)
-        else:
-            value, grad = jax.value_and_grad(f)(p)
-        updates, new_state = opt.update(
-            grad, state, p, value=value, grad=grad, value_fn=f
-        )
-        new_p = optax.apply_updates(p, updates)
-        new_state = jax.tree.map(
-            lambda new, old: jax.lax.convert_element_type(new, old.dtype),
-            new_state,
-            state,
-        )
-        ok = jnp.isfinite(value) & jnp.all(jnp.isfinite(grad))
-        better = ok & (value < best_loss)
-        best_p = jnp.where(better, p, best_p)
-        best_loss = jnp.where(better, value, best_loss)
-        last_ok = jnp.where(ok, p, last_ok)
-        # Which leaves went bad, per leaf: only worked out when something did.
-        n = len(segments)
-        flags = jax.lax.cond(
-            ok,
-            lambda: (jnp.zeros(n, bool), jnp.zeros(n, bool)),
-            lambda: (bad_leaves(p), bad_leaves(grad)),
-        )
-        return (new_p, new_state, best_p, best_loss, last_ok), value, ok, flags
-
-    return step
-
-
-def _check_loss_output(out) -> None:
-    if out.shape != () or not jnp.issubdtype(out.dtype, jnp.floating):
-        raise TypeError(
-            "`loss` must return a real scalar, got "
-            f"{out.dtype}{list(out.shape)}. Reduce it, e.g. `jnp.mean(...)`."
-        )
-
-
-#
-# Ctrl-C: the first one stops after the current step, a second one at once.
-#
-
-
-class _Interrupts:
-    def __init__(self):
-        self.requested = False
-        self._old = None
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            self._old = signal.signal(signal.SIGINT, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        self.requested = True
-        signal.signal(signal.SIGINT, self._old)
-
-    def __exit__(self, *exc):
-        if self._old is not None:
-            signal.signal(signal.SIGINT, self._old)
-
 
 #
 # The loop
@@ -283,22 +160,22 @@ def fit(
         raise ValueError(f"`model` starts with NaN or infinity in {_names(bad)}.")
     args = tuple(args)
     dynamic_args, static_args = eqx.partition(args, eqx.is_array)
-    opt_state = _strong(optimizer.init(p), p.dtype)
+    opt_state = strong(optimizer.init(p), p.dtype)
     if checkpoint is not None:
         _checkpoint.check_state_leaves(opt_state)
     batch_iter = None if batches is None else iter(batches)
-    first = None if batch_iter is None else next(batch_iter, _END)
-    if first is _END:
+    first = None if batch_iter is None else next(batch_iter, END)
+    if first is END:
         raise ValueError("`batches` is empty: there is nothing to train on.")
     data = args if batch_iter is None else (first, *args)
     copy = lambda: jnp.array(p, copy=True)  # `p` is donated, these two are not
     fresh = _checkpoint.Carry(p, opt_state, copy(), None, copy(), 0, [])
     carry = _start(checkpoint, resume, re, fresh)  # a checkpoint is checked first
     loss_out = jax.eval_shape(lambda q: loss(re(q), *data), p)
-    _check_loss_output(loss_out)
+    check_loss_output(loss_out)
     if carry.best_loss is None:
         carry.best_loss = jnp.asarray(jnp.inf, loss_out.dtype)
-    step = _make_step(loss, re, optimizer, static_args, _reuses_value(opt_state))
+    step = make_step(loss, re, optimizer, static_args, reuses_value(opt_state))
     if batch_iter is None:
         feed = itertools.repeat(None)
     else:
@@ -309,17 +186,17 @@ def fit(
         total=total, initial=carry.step, disable=not progress, desc="sciflat.fit"
     )
     state = (carry.p, carry.opt_state, carry.best_p, carry.best_loss, carry.last_ok)
-    state = _place(state, p)
+    state = place(state, p)
     last_batch = first
     n_left = None if steps is None else max(steps - carry.step, 0)
     # Without a callback or checkpoints, nothing needs the parameters between steps:
     # step k+1 is dispatched before step k's loss is read, so the device never waits.
     pipelined = callback is None and checkpoint is None
     try:
-        with _Interrupts() as interrupts:
-            steps_run = _dispatch(step, state, dynamic_args, feed, n_left, interrupts)
+        with Interrupts() as interrupts:
+            steps_run = dispatch(step, state, dynamic_args, feed, n_left, interrupts)
             for state, value, ok, flags, batch in (
-                _one_ahead(steps_run) if pipelined else steps_run
+                one_ahead(steps_run) if pipelined else steps_run
             ):
                 last_batch = batch
                 value, ok = jax.device_get((value, ok))  # one transfer
@@ -373,35 +250,6 @@ def fit(
             )
             p, value = last_ok, float(history[-1])
     return FitResult(re(p), p, value, status, message, history, carry.step, opt_state)
-
-
-_END = object()
-
-
-def _dispatch(step, state, dynamic_args, feed, n_left, interrupts):
-    """Runs the steps lazily, one per `next`; Ctrl-C is honoured between steps."""
-    for batch in itertools.islice(feed, n_left):
-        if interrupts.requested:
-            raise KeyboardInterrupt
-        state, value, ok, flags = step(*state, batch, dynamic_args)
-        yield state, value, ok, flags, batch
-
-
-def _one_ahead(steps_run):
-    """Yields step k once step k+1 is dispatched (or there is none, or Ctrl-C came).
-    `p` and the optimiser state of step k are then donated to step k+1, but what a
-    stop needs of step k (its loss, flags, best and last finite points) is not."""
-    previous = next(steps_run, _END)
-    if previous is _END:
-        return
-    try:
-        for current in steps_run:
-            yield previous
-            previous = current
-    except KeyboardInterrupt:
-        yield previous  # not donated yet: recorded before the interrupt is handled
-        raise
-    yield previous
 
 
 def _data(batch, dynamic_args, static_args):

@@ -13,7 +13,7 @@ import pytest
 
 import sciflat
 from helpers import inexact_dtypes
-from sciflat._optax import _make_step, _reuses_value, _strong
+from sciflat._fit_step import make_step, reuses_value, strong
 
 
 # A linear least-squares problem: tiny to compile, with a closed-form answer.
@@ -193,8 +193,8 @@ def test_progress_bar_shows_the_loss(capsys):
 def test_float64_step_computes_in_float64_only(name):
     optimizer = OPTIMIZERS[name]()
     p, re = sciflat.destructure(linear(jnp.float32), dtype=jnp.float64)
-    state = _strong(optimizer.init(p), p.dtype)
-    step = _make_step(loss, re, optimizer, (None, None), _reuses_value(state))
+    state = strong(optimizer.init(p), p.dtype)
+    step = make_step(loss, re, optimizer, (None, None), reuses_value(state))
     args = (p, state, p, jnp.asarray(jnp.inf), p, None, xy())
     avals = float_avals(jax.make_jaxpr(step)(*args))
     out = jax.eval_shape(step, *args)

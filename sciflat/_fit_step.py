@@ -1,0 +1,103 @@
+"""The compiled step of `fit`: value and gradient, `optimizer.update`, `apply_updates`
+on the flat vector, with what a clean stop needs, compiled once."""
+
+import functools as ft
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+
+
+def strong(state, dtype):
+    """Own buffers for every leaf; weakly typed (Python-scalar-like) leaves become strong,
+    floats in `dtype`, so the step's inputs and outputs match and it compiles once."""
+
+    def fix(x):
+        x = jnp.array(
+            x, copy=True
+        )  # leaves may share buffers (with `p` too): all donated
+        if not x.weak_type:
+            return x
+        floating = jnp.issubdtype(x.dtype, jnp.floating)
+        return jax.lax.convert_element_type(x, dtype if floating else x.dtype)
+
+    return jax.tree.map(fix, state)
+
+
+def place(tree, p):
+    """Every leaf committed to `p`'s device(s), as the step's outputs will be: otherwise
+    the second call sees other input shardings and compiles again."""
+    sharding = p.sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        replicated = jax.sharding.NamedSharding(
+            sharding.mesh, jax.sharding.PartitionSpec()
+        )
+    else:
+        replicated = sharding
+    place = lambda x: jax.device_put(x, sharding if x.shape == p.shape else replicated)
+    return jax.tree.map(place, tree)
+
+
+def reuses_value(opt_state) -> bool:
+    """L-BFGS & co. keep the value and gradient of the line search in their state."""
+    return (
+        optax.tree.get(opt_state, "value") is not None
+        and optax.tree.get(opt_state, "grad") is not None
+    )
+
+
+def make_step(loss, re, optimizer, static_args, reuse_value: bool):
+    opt = optax.with_extra_args_support(optimizer)
+    segments = [
+        (leaf["offset"], leaf["size"])
+        for leaf in re.layout()
+        if leaf["kind"] == "trainable" and leaf["tied_to"] is None
+    ]
+
+    def bad_leaves(x):
+        return jnp.stack([~jnp.all(jnp.isfinite(x[o : o + s])) for o, s in segments])
+
+    # `p` and the optimiser state are donated; `best_p` is not, so Ctrl-C can return it.
+    @ft.partial(jax.jit, donate_argnums=(0, 1))
+    def step(p, state, best_p, best_loss, last_ok, batch, dynamic_args):
+        args = eqx.combine(dynamic_args, static_args)
+        data = args if batch is None else (batch, *args)
+        f = lambda q: loss(re(q), *data)
+        if reuse_value:
+            value, grad = optax.value_and_grad_from_state(f)(p, state=state)
+            grad = jnp.asarray(grad)  # a flat vector like `p`; Optax types it a pytree
+        else:
+            value, grad = jax.value_and_grad(f)(p)
+        updates, new_state = opt.update(
+            grad, state, p, value=value, grad=grad, value_fn=f
+        )
+        new_p = optax.apply_updates(p, updates)
+        new_state = jax.tree.map(
+            lambda new, old: jax.lax.convert_element_type(new, old.dtype),
+            new_state,
+            state,
+        )
+        ok = jnp.isfinite(value) & jnp.all(jnp.isfinite(grad))
+        better = ok & (value < best_loss)
+        best_p = jnp.where(better, p, best_p)
+        best_loss = jnp.where(better, value, best_loss)
+        last_ok = jnp.where(ok, p, last_ok)
+        # Which leaves went bad, per leaf: only worked out when something did.
+        n = len(segments)
+        flags = jax.lax.cond(
+            ok,
+            lambda: (jnp.zeros(n, bool), jnp.zeros(n, bool)),
+            lambda: (bad_leaves(p), bad_leaves(grad)),
+        )
+        return (new_p, new_state, best_p, best_loss, last_ok), value, ok, flags
+
+    return step
+
+
+def check_loss_output(out) -> None:
+    if out.shape != () or not jnp.issubdtype(out.dtype, jnp.floating):
+        raise TypeError(
+            "`loss` must return a real scalar, got "
+            f"{out.dtype}{list(out.shape)}. Reduce it, e.g. `jnp.mean(...)`."
+        )
