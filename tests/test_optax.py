@@ -408,3 +408,19 @@ def test_an_existing_checkpoint_is_never_overwritten_silently(tmp_path):
         sciflat.fit(loss, no_bias, optax.adam(1e-2), resume=True, **kwargs)
     again = sciflat.fit(loss, linear(), optax.adam(1e-2), resume=False, **kwargs)
     assert again.n_steps == 2
+
+
+def test_bfloat16_fit_checkpoints_and_resumes_exactly(tmp_path):
+    # bfloat16 has no NumPy dtype of its own: stored as raw 16-bit words, restored bit
+    # for bit, together with the bfloat16 Adam moments.
+    path = tmp_path / "ckpt.npz"
+    kwargs = dict(steps=6, args=xy(jnp.bfloat16), dtype=jnp.bfloat16, progress=False)
+    full = sciflat.fit(loss, linear(), ADAM, **kwargs)
+    sciflat.fit(
+        loss, linear(), ADAM, checkpoint=path, callback=interrupt_at(3), **kwargs
+    )
+    rest = sciflat.fit(loss, linear(), ADAM, checkpoint=path, resume=True, **kwargs)
+    assert rest.p.dtype == jnp.bfloat16
+    assert inexact_dtypes(rest.raw) == {np.dtype(jnp.bfloat16)}
+    np.testing.assert_array_equal(rest.history, full.history)
+    np.testing.assert_array_equal(rest.p.view(jnp.uint16), full.p.view(jnp.uint16))
