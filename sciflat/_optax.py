@@ -147,7 +147,8 @@ def fit(
 
     **Returns:**
 
-    A [`sciflat.FitResult`][]; `raw` is the final optimiser state.
+    A [`sciflat.FitResult`][]; `raw` is the final optimiser state (`None` after a
+    non-finite stop, where the state of the returned point is not kept).
     """
     _validate(loss, optimizer, steps, batches, args, checkpoint, checkpoint_every)
     p, re = destructure(model, filter_spec, dtype=dtype)
@@ -236,7 +237,9 @@ def fit(
         )
         opt_state = None if _deleted(state) else opt_state
     elif status == "nonfinite":
+        # The state after the bad step is unusable (and may be donated already).
         p, value = last_ok, (history[-1] if len(history) else float("nan"))
+        opt_state = None
     else:
         if checkpoint is not None:
             _write(checkpoint, re, carry, state)
@@ -248,7 +251,7 @@ def fit(
                 f"Stopped after step {carry.step}: the loss at the final parameters is "
                 f"{value}. Returning the last parameters with a finite loss and gradient."
             )
-            p, value = last_ok, float(history[-1])
+            p, value, opt_state = last_ok, float(history[-1]), None
     return FitResult(re(p), p, value, status, message, history, carry.step, opt_state)
 
 

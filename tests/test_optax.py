@@ -259,6 +259,7 @@ def test_nonfinite_stops_with_step_leaf_and_last_finite_point(capsys):
         p = p - 0.3 * jax.grad(lambda p: sqrt_loss(re(p)))(p)
     np.testing.assert_allclose(result.p, p, rtol=1e-13)
     assert result.loss == result.history[-1] == pytest.approx(float(sqrt_loss(re(p))))
+    assert result.raw is None  # the state after the bad step is not handed out
 
 
 def test_nonfinite_from_the_start_names_the_leaf():
