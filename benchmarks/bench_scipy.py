@@ -20,6 +20,7 @@ warm-up fit (so compilation is excluded); medians over `--repeats`:
 import argparse
 import statistics
 import time
+import timeit
 
 import diffrax
 import equinox as eqx
@@ -265,13 +266,7 @@ def pinn(repeats: int, iters: int) -> None:
         calls["jaxopt: fun(x)"] = lambda: jo_fun(x)
     for fn in calls.values():
         fn()
-    per_call = {
-        k: v
-        for k, v in interleaved(
-            {k: _loop(f, 200) for k, f in calls.items()}, repeats
-        ).items()
-    }
-    per_call = {k: v / 200 for k, v in per_call.items()}
+    per_call = per_call_seconds(calls, repeats)
     print("\n### PINN, 1,153 parameters: one SciPy call (value and gradient)\n")
     print("| call | µs |")
     print("| --- | ---: |")
@@ -302,12 +297,15 @@ def pinn(repeats: int, iters: int) -> None:
         )
 
 
-def _loop(fn, n):
-    def run():
-        for _ in range(n):
-            fn()
-
-    return run
+def per_call_seconds(calls: dict, rounds: int, number: int = 100) -> dict:
+    """Seconds per call: in each round, the best of 3 loops of `number` calls per
+    variant (interleaved); the median over rounds. The best-of filters out the other
+    jobs on a shared machine, which otherwise swamp a difference of a few µs."""
+    best = {k: [] for k in calls}
+    for _ in range(max(rounds, 5)):
+        for name, fn in calls.items():
+            best[name].append(min(timeit.repeat(fn, number=number, repeat=3)) / number)
+    return {k: statistics.median(v) for k, v in best.items()}
 
 
 def _sciflat_jitted(net, t):
