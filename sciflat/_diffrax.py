@@ -24,9 +24,10 @@ class VectorField(eqx.Module):
     for a new `VectorField` built from the same `re`.
     """
 
-    # Static: `re` is hashable, and BacksolveAdjoint must not treat its frozen arrays
-    # as differentiable state of the term (they are constants of the model).
-    re: Restructure = eqx.field(static=True)
+    # A pytree field: `re` may hold arrays (frozen and integer leaves), which Equinox
+    # refuses in static fields. BacksolveAdjoint then carries an adjoint for the frozen
+    # floating arrays too: correct, and discarded.
+    re: Restructure
     signature: Signature = eqx.field(static=True)
     args: Literal["p", "model"] = eqx.field(static=True, default="p")
 

@@ -129,7 +129,9 @@ class Restructure(eqx.Module, Generic[_M]):
     """
 
     _spec: _Spec = eqx.field(static=True)
-    _arrays: tuple  # leaves that are not in `p`: frozen floating arrays, then others
+    # Leaves that are not in `p`: frozen floating arrays, then the others. A list, not a
+    # tuple: `eqx.tree_at` (Diffrax's BacksolveAdjoint uses it) mangles empty tuples.
+    _arrays: list
     _ties: tuple[tuple[Callable, Callable], ...] = eqx.field(static=True, default=())
 
     def __call__(self, p: Float[Array, " n"]) -> _M:
@@ -440,7 +442,7 @@ def destructure(
     )
     leaves = [leaf for _, leaf in trainable]
     p = _ravel(leaves, p_dtype, leaves[0] if leaves else None)
-    return p, Restructure(spec, tuple(cast) + tuple(keep), ties)
+    return p, Restructure(spec, cast + keep, ties)
 
 
 class _TiedMarker:

@@ -296,18 +296,9 @@ SOLVES = {
         diffrax.Tsit5(), diffrax.BacksolveAdjoint(), ["mlp_float32"], (F32, F64),
     ),
 }  # fmt: skip
-# `sciflat.vector_field` keeps `re` in a static field, so Equinox warns when `re` holds
-# arrays (frozen or integer leaves). Remove this mark when that is fixed there.
-_STATIC_ARRAYS = pytest.mark.xfail(
-    raises=UserWarning,
-    strict=True,
-    reason="vector_field: 'A JAX array is being set as static' for models with "
-    "frozen or integer leaves",
-)
 DIFFRAX_CASES = [
     pytest.param(
         solve, name, dtype, id=f"{solve}-{name}-{dtype}",
-        marks=[_STATIC_ARRAYS] if name in ("mixed_precision", "frozen") else [],
     )
     for solve, (_, _, names, dtypes) in SOLVES.items()
     for name in names
@@ -338,7 +329,7 @@ def test_diffrax_solve(solve, name, dtype):
     [
         ("mlp_float32", F32),
         ("tied_identity", F64),
-        pytest.param("frozen", F64, marks=_STATIC_ARRAYS),
+        ("frozen", F64),
     ],
     ids=str,
 )
