@@ -110,3 +110,93 @@ def test_neural_ode_loss_stays_float64():
     batch = (ys, jnp.asarray(3))  # trajectories, and how many times to fit so far
     loss = lambda p, batch, ts: node.loss_fn(re(p), batch, ts)
     sciflat.assert_dtypes(loss, p, batch, ts)
+
+
+#
+# PINN
+#
+
+
+@pytest.fixture(scope="module")
+def pinn():
+    return load("pinn", "train.py")
+
+
+def test_pinn_reference_is_cole_hopf(pinn):
+    x = np.linspace(-1, 1, 2001)
+    # The initial condition, and quadrature converged (100 nodes agree with 200).
+    np.testing.assert_allclose(
+        pinn.reference(x, [0.0])[:, 0], -np.sin(np.pi * x), atol=1e-14
+    )
+    t = np.array([0.3, 0.7])
+    np.testing.assert_allclose(
+        pinn.reference(x, t, 100), pinn.reference(x, t), atol=1e-10
+    )
+    # Burgers' equation by finite differences, where the solution is smooth (t = 0.2).
+    dt, h = 1e-5, x[1] - x[0]
+    u = pinn.reference(x, [0.2 - dt, 0.2, 0.2 + dt])
+    u_t = (u[:, 2] - u[:, 0]) / (2 * dt)
+    u_x = np.gradient(u[:, 1], h)
+    residual = u_t + u[:, 1] * u_x - pinn.NU * np.gradient(u_x, h)
+    assert np.abs(residual[2:-2]).max() < 1e-3 * np.abs(u_t).max()
+
+
+def test_pinn_learns_and_plots(pinn, tmp_path):
+    run = pinn.main(
+        width=8, depth=2, n_u=20, n_f=200, adam_steps=100, lbfgs_steps=200,
+        out=str(tmp_path), progress=False,
+    )  # fmt: skip
+    assert not run["diverged"]
+    assert run["loss"] < run["history"][0] / 5
+    assert run["error"] < 0.8  # u = 0 would be 1.0
+    assert (tmp_path / "burgers.png").stat().st_size > 10_000
+
+
+def test_pinn_loss_stays_float64(pinn):
+    points = pinn.make_points(10, 20, seed=0, dtype=jnp.float64)
+    p, re = sciflat.destructure(
+        pinn.PINN(8, 2, key=jax.random.key(0)), dtype=jnp.float64
+    )
+    sciflat.assert_dtypes(lambda p, data: pinn.loss_fn(re(p), data), p, points)
+
+
+#
+# Parameter estimation
+#
+
+
+@pytest.fixture(scope="module")
+def lotka():
+    return load("parameter_estimation", "fit.py")
+
+
+def test_parameter_estimation_recovers_rates(lotka, tmp_path):
+    run = lotka.main(
+        n_obs=21, ude_width=4, ude_adam_steps=20, ude_steps=20, out=str(tmp_path),
+        progress=False,
+    )  # fmt: skip
+    assert not run["diverged"]
+    for method in ("lsq_rel_error", "minimize_rel_error"):
+        assert max(run[method].values()) < 0.05, (method, run[method])
+    # The true rates are within 4 standard errors of the least-squares estimate.
+    for name, true in lotka.TRUE_RATES.items():
+        estimate = float(getattr(run["least_squares"].model, name))
+        assert (
+            0 < run["stderr"][name] < 0.1
+            and abs(estimate - true) < 4 * run["stderr"][name]
+        )
+    # The UDE at this tiny size only has to have learned something.
+    assert run["ude"].loss < run["ude_initial_mse"] / 10
+    assert (tmp_path / "lotka_volterra.png").stat().st_size > 10_000
+
+
+def test_parameter_estimation_losses_stay_float64(lotka):
+    ts, ys = jnp.linspace(0.0, 1.0, 5), jnp.ones((5, 2))
+    p, re = sciflat.destructure(lotka.LotkaVolterra(1.0, 1.0, 2.0, 1.0))
+    # The rates' loss is differentiated in forward mode (`diffrax.ForwardMode`): audit
+    # that gradient itself.
+    grad = lambda p, ts, ys: jax.jacfwd(lambda q: lotka.mse(re(q), ts, ys))(p)
+    sciflat.assert_dtypes(grad, p, ts, ys, grad=False)
+    ude = lotka.UDE(1.0, 2.0, 4, key=jax.random.key(0))  # a float32 MLP inside
+    p, re = sciflat.destructure(ude, dtype=jnp.float64)
+    sciflat.assert_dtypes(lambda p, ts, ys: lotka.ude_mse(re(p), ts, ys), p, ts, ys)
