@@ -118,6 +118,7 @@ def main(
     lbfgs_steps=None,
     lr=1e-3,
     full=False,
+    report_every=0,
     out="examples/pinn/outputs",
     seed=0,
     progress=True,
@@ -164,6 +165,7 @@ def main(
         points,
         method="L-BFGS-B",
         progress=progress,
+        callback=_report_every(report_every, error, t0),
         options=dict(
             maxiter=lbfgs_steps, maxfun=2 * lbfgs_steps, maxcor=50, maxls=50,
             ftol=np.finfo(float).eps,
@@ -193,6 +195,20 @@ def main(
         plot=plot,
         train_time=train_time,
     )
+
+
+def _report_every(n, error, t0):
+    """An L-BFGS-B callback printing the error every `n` iterations (0: never)."""
+    count = [0]
+
+    def callback(model, loss):
+        count[0] += 1
+        if n and count[0] % n == 0:
+            elapsed = time.perf_counter() - t0
+            print(f"  iteration {count[0]}: loss {loss:.3e}, relative L2 error "
+                  f"{error(model):.3e}, {elapsed:.0f} s", flush=True)  # fmt: skip
+
+    return callback
 
 
 def _plot(x, t, u_ref, u_pred, history, out):
@@ -236,6 +252,12 @@ def _parse(argv=None):
         help="L-BFGS-B iterations at most (3000; --full 50000)",
     )
     add("--full", action="store_true", help="Raissi et al.: 8x20, 10,000 points")
+    add(
+        "--report-every",
+        type=int,
+        default=0,
+        help="print the error every N L-BFGS-B steps",
+    )
     add("--out", default="examples/pinn/outputs", help="folder for the plot")
     add("--seed", type=int, default=0)
     return parser.parse_args(argv)
