@@ -30,6 +30,8 @@ import optax
 import sciflat
 
 
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "outputs")  # plots
+
 jax.config.update("jax_enable_x64", True)  # float64 exists only with 64-bit mode on
 
 #
@@ -158,7 +160,7 @@ def main(
     lr=3e-3,
     dtype="float64",
     shard=False,
-    out="examples/neural_ode/outputs",
+    out=OUT,
     seed=0,
     progress=True,
 ):
@@ -281,7 +283,7 @@ def _parse(argv=None):
     add("--depth", type=int, default=2, help="hidden layers of the MLP")
     add("--batch", type=int, default=32, help="trajectories per step")
     add("--dtype", choices=["float32", "float64"], default="float64")
-    add("--out", default="examples/neural_ode/outputs", help="folder for the plot")
+    add("--out", default=OUT, help="folder for the plot")
     add("--shard", action="store_true", help="split each batch over all JAX devices")
     add("--seed", type=int, default=0)
     return parser.parse_args(argv)

@@ -32,6 +32,8 @@ import optax
 import sciflat
 
 
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "outputs")  # plots
+
 jax.config.update("jax_enable_x64", True)  # SciPy works in float64
 
 TRUE_RATES = dict(alpha=1.5, beta=1.0, gamma=3.0, delta=1.0)
@@ -178,7 +180,7 @@ def main(
     ude_width=16,
     ude_steps=500,
     ude_adam_steps=300,
-    out="examples/parameter_estimation/outputs",
+    out=OUT,
     seed=0,
     progress=True,
 ):
@@ -329,7 +331,7 @@ def _parse(argv=None):
     add("--noise", type=float, default=0.05, help="noise, as a fraction of each std")
     add("--no-ude", dest="ude", action="store_false", help="skip the UDE")
     add("--ude-steps", type=int, default=500, help="L-BFGS-B iterations for the UDE")
-    add("--out", default="examples/parameter_estimation/outputs", help="plot folder")
+    add("--out", default=OUT, help="plot folder")
     add("--seed", type=int, default=0)
     return parser.parse_args(argv)
 

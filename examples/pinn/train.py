@@ -30,6 +30,8 @@ import scipy.stats
 import sciflat
 
 
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "outputs")  # plots
+
 jax.config.update("jax_enable_x64", True)  # float64 exists only with 64-bit mode on
 
 NU = 0.01 / np.pi
@@ -119,7 +121,7 @@ def main(
     lr=1e-3,
     full=False,
     report_every=0,
-    out="examples/pinn/outputs",
+    out=OUT,
     seed=0,
     progress=True,
 ):
@@ -258,7 +260,7 @@ def _parse(argv=None):
         default=0,
         help="print the error every N L-BFGS-B steps",
     )
-    add("--out", default="examples/pinn/outputs", help="folder for the plot")
+    add("--out", default=OUT, help="folder for the plot")
     add("--seed", type=int, default=0)
     return parser.parse_args(argv)
 
