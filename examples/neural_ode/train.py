@@ -148,7 +148,7 @@ def put(model, where):
 
 def main(
     *,
-    steps=1000,
+    steps=2000,
     width=32,
     depth=2,
     batch=32,
@@ -277,7 +277,7 @@ def _parse(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add = parser.add_argument
     add(
-        "--steps", type=int, default=1000, help="Adam steps (40%% on 10%% of the times)"
+        "--steps", type=int, default=2000, help="Adam steps (40%% on 10%% of the times)"
     )
     add("--width", type=int, default=32, help="hidden width of the MLP")
     add("--depth", type=int, default=2, help="hidden layers of the MLP")
