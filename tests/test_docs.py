@@ -23,10 +23,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-# Every Markdown page whose code a reader may copy: the site, the README, the guide.
-PAGES = sorted(DOCS.rglob("*.md")) + [
-    p for p in (ROOT / "README.md", ROOT / "CONTRIBUTING.md") if p.exists()
-]
+# Every Markdown page whose code a reader may copy: the site, the READMEs, the guide.
+PAGES = (
+    sorted(DOCS.rglob("*.md"))
+    + [p for p in (ROOT / "README.md", ROOT / "CONTRIBUTING.md") if p.exists()]
+    + sorted(ROOT.glob("examples/*/README.md"))
+)
 PAGE_TIMEOUT_S = int(os.environ.get("DOCS_PAGE_TIMEOUT_S", 120))
 
 _FENCE = re.compile(
