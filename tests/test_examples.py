@@ -101,6 +101,17 @@ def test_neural_ode_sharded_over_4_devices_matches(node_runs):
     np.testing.assert_allclose(sharded["test_error"], plain["test_error"], rtol=1e-9)
 
 
+def test_neural_ode_reports_divergence():
+    # A learning rate of 50 makes the field explode: the solver fails, the loss is
+    # non-finite, `fit` stops, and the script's exit status would be 1.
+    node = load("neural_ode", "train.py")
+    run = node.main(
+        steps=6, width=8, batch=4, n_train=8, n_test=4, n_times=5, lr=50.0, out=None,
+        progress=False,
+    )  # fmt: skip
+    assert run["diverged"]
+
+
 def test_neural_ode_loss_stays_float64():
     node = load("neural_ode", "train.py")
     ts = jnp.linspace(0.0, 1.0, 5)  # float64: x64 is on in the suite
