@@ -160,11 +160,12 @@ def main(
     t_adam = time.perf_counter() - t0
     print(f"Adam:     loss {adam.loss:.3e}, relative L2 error {error(adam.model):.3e}")
 
-    # L-BFGS-B continues from Adam's `p`, with the settings of Raissi et al.
+    # L-BFGS-B continues from Adam's flat vector itself, with Raissi et al.'s settings.
     lbfgs = sciflat.minimize(
         loss_fn,
-        adam.model,
+        re,
         points,
+        x0=adam.p,
         method="L-BFGS-B",
         progress=progress,
         callback=_report_every(report_every, error, t0),
