@@ -66,7 +66,8 @@ class LotkaVolterra(eqx.Module):
 class UDE(eqx.Module):
     """Known-form growth and decay, α x and -γ y; the unknown interaction is
     x y g(x, y) with g an MLP. The factor x y says only what we know (no interaction
-    without both species) and keeps α and γ identifiable: g cannot mimic α x."""
+    without both species), and keeps the network from simply absorbing α x (it would
+    need g ≈ α / y, unbounded as y -> 0)."""
 
     alpha: jax.Array
     gamma: jax.Array
