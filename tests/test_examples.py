@@ -47,6 +47,7 @@ NODE_FILE = str(ROOT / "examples" / "neural_ode" / "train.py")
 # jax is imported, which this process did long ago.
 _NODE_CHILD = f"""
 import importlib.util, json, sys
+import numpy as np
 spec = importlib.util.spec_from_file_location("node", {NODE_FILE!r})
 node = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(node)
@@ -57,7 +58,9 @@ runs = {{
     for name, shard in [("plain", False), ("sharded", True)]
 }}
 keep = ("initial_loss", "final_loss", "test_error", "diverged", "plot")
-print(json.dumps({{"devices": jax.device_count(),
+replicate, split = node.sharding(True)
+shards = [s.data.shape for s in split(np.zeros((8, 10, 2))).addressable_shards]
+print(json.dumps({{"devices": jax.device_count(), "shards": shards,
                   **{{k: {{f: r[f] for f in keep}} for k, r in runs.items()}},
                   "history": [list(map(float, r["history"])) for r in runs.values()]}}))
 """
@@ -91,6 +94,7 @@ def test_neural_ode_learns_and_plots(node_runs):
 
 def test_neural_ode_sharded_over_4_devices_matches(node_runs):
     assert node_runs["devices"] == 4
+    assert node_runs["shards"] == [[2, 10, 2]] * 4  # each device holds a quarter batch
     plain, sharded = node_runs["plain"], node_runs["sharded"]
     # Same batches, same arithmetic per trajectory; only the sum over the batch is
     # split over devices, so the results agree to rounding.
