@@ -158,12 +158,15 @@ def test_pinn_reference_is_cole_hopf(pinn):
 
 def test_pinn_learns_and_plots(pinn, tmp_path):
     run = pinn.main(
-        width=8, depth=2, n_u=20, n_f=200, adam_steps=100, lbfgs_steps=200,
+        width=8, depth=2, n_u=100, n_f=300, adam_steps=100, lbfgs_steps=400,
         out=str(tmp_path), progress=False,
     )  # fmt: skip
+    # Over seeds 0-3 at this size: loss down 7-41 times, errors 0.39-0.44. (With 20
+    # data points, one seed found a low-loss solution with an error above 1: the error
+    # bound is the check that matters.)
     assert not run["diverged"]
     assert run["loss"] < run["history"][0] / 5
-    assert run["error"] < 0.8  # u = 0 would be 1.0
+    assert run["error"] < 0.7  # u = 0 would be 1.0
     assert (tmp_path / "burgers.png").stat().st_size > 10_000
 
 
