@@ -11,6 +11,7 @@ import jax.core  # `jax.core.Tracer`: imported explicitly so type checkers see i
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
+from jax.typing import DTypeLike
 from jaxtyping import Array, Float, PyTree
 
 from ._dtypes import (
@@ -126,6 +127,15 @@ class Restructure(eqx.Module, Generic[_M]):
     leaf (trainable or frozen) in `p.dtype` and every complex leaf in the matching
     complex dtype. Arrays that were tied stay one array. `re` is a pytree and also
     hashable, so it can be closed over, passed to `jax.jit`, or marked static.
+
+    !!! Example
+
+        ```python
+        p, re = sciflat.destructure(model)           # a float32 model
+        re                                           # Restructure(MLP, 1153 params, float32)
+        model64 = re(p.astype(jnp.float64))          # every floating leaf is float64
+        p[re.slice(lambda m: m.layers[0].bias)]      # where one leaf sits in p
+        ```
     """
 
     _spec: _Spec = eqx.field(static=True)
@@ -288,7 +298,7 @@ def _trainable_mask(model, filter_spec, n_leaves: int) -> list[bool]:
     return [leaf is not sentinel for leaf in jtu.tree_leaves(filtered)]
 
 
-def _p_dtype(trainable: list[tuple[str, Any]], dtype) -> np.dtype:
+def _p_dtype(trainable: list[tuple[str, Any]], dtype: DTypeLike | None) -> np.dtype:
     if dtype is not None:
         dtype = np.dtype(dtype)
         if not jnp.issubdtype(dtype, jnp.floating):
@@ -330,7 +340,7 @@ def destructure(
     model: _M,
     filter_spec: PyTree[bool | Callable[[Any], bool]] = True,
     *,
-    dtype=None,
+    dtype: DTypeLike | None = None,
     ties: Sequence[tuple[Callable[[_M], Any], Callable[[_M], Any]]] = (),
 ) -> tuple[Float[Array, " n"], Restructure[_M]]:
     """Flattens the trainable leaves of a model into one real vector `p`.
