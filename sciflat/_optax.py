@@ -184,7 +184,11 @@ def fit(
     total = steps if steps is not None else _len_or_none(batches)
     status, message = "max_steps", f"Reached `steps` = {steps}."
     bar = tqdm(
-        total=total, initial=carry.step, disable=not progress, desc="sciflat.fit"
+        total=total,
+        initial=carry.step,
+        disable=not progress,
+        desc="sciflat.fit",
+        unit="step",
     )
     state = (carry.p, carry.opt_state, carry.best_p, carry.best_loss, carry.last_ok)
     state = place(state, p)
