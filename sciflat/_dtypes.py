@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 
-_X64_FIX = 'enable it with `jax.config.update("jax_enable_x64", True)`'
+X64_FIX = 'enable it with `jax.config.update("jax_enable_x64", True)`'
 
 # The only complex dtypes that exist; there is no complex counterpart of (b)float16.
 _COMPLEX_OF = {
@@ -49,7 +49,7 @@ def check_representable(dtype: np.dtype, what: str) -> None:
     if np.dtype(dtype).itemsize >= 8 and not x64_enabled() and is_inexact(dtype):
         raise TypeError(
             f"{what} has dtype {np.dtype(dtype).name}, but JAX's 64-bit mode is off, so "
-            f"JAX would silently round it to 32 bits. To compute in 64 bits, {_X64_FIX} "
+            f"JAX would silently round it to 32 bits. To compute in 64 bits, {X64_FIX} "
             "at the start of your program; to compute in 32 bits, convert it "
             "explicitly (e.g. `.astype(np.float32)`, or `dtype=jnp.float32`)."
         )

@@ -6,7 +6,10 @@ import functools as ft
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+
+from ._flatten import replicated_like
 
 
 def strong(state, dtype):
@@ -29,12 +32,7 @@ def place(tree, p):
     """Every leaf committed to `p`'s device(s), as the step's outputs will be: otherwise
     the second call sees other input shardings and compiles again."""
     sharding = p.sharding
-    if isinstance(sharding, jax.sharding.NamedSharding):
-        replicated = jax.sharding.NamedSharding(
-            sharding.mesh, jax.sharding.PartitionSpec()
-        )
-    else:
-        replicated = sharding
+    replicated = replicated_like(sharding)
     place = lambda x: jax.device_put(x, sharding if x.shape == p.shape else replicated)
     return jax.tree.map(place, tree)
 
@@ -49,14 +47,18 @@ def reuses_value(opt_state) -> bool:
 
 def make_step(loss, re, optimizer, static_args, reuse_value: bool):
     opt = optax.with_extra_args_support(optimizer)
-    segments = [
-        (leaf["offset"], leaf["size"])
+    sizes = [
+        leaf["size"]
         for leaf in re.layout()
         if leaf["kind"] == "trainable" and leaf["tied_to"] is None
     ]
+    # The slots tile `p`: one segment reduction flags them all (one slice per leaf
+    # would add a kernel per leaf to the step's compile time).
+    segment_ids = np.repeat(np.arange(len(sizes)), sizes)
 
     def bad_leaves(x):
-        return jnp.stack([~jnp.all(jnp.isfinite(x[o : o + s])) for o, s in segments])
+        bad = (~jnp.isfinite(x)).astype(jnp.int32)
+        return jax.ops.segment_max(bad, segment_ids, num_segments=len(sizes)) > 0
 
     # `p` and the optimiser state are donated; `best_p` is not, so Ctrl-C can return it.
     @ft.partial(jax.jit, donate_argnums=(0, 1))
@@ -84,7 +86,7 @@ def make_step(loss, re, optimizer, static_args, reuse_value: bool):
         best_loss = jnp.where(better, value, best_loss)
         last_ok = jnp.where(ok, p, last_ok)
         # Which leaves went bad, per leaf: only worked out when something did.
-        n = len(segments)
+        n = len(sizes)
         flags = jax.lax.cond(
             ok,
             lambda: (jnp.zeros(n, bool), jnp.zeros(n, bool)),

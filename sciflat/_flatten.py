@@ -111,10 +111,11 @@ def _rebuild_on_host(spec: _Spec, p: jax.Array, cast_arrays):
     split = lambda x, sizes: np.split(x, np.cumsum(sizes)[:-1])
     host_cast = [np.asarray(x) for x in cast_arrays]
     slot_arrays, casts = _assemble(spec, np.asarray(p), host_cast, split, _host_complex)
-    return jax.device_put((slot_arrays, casts), _replicated_like(p.sharding))
+    return jax.device_put((slot_arrays, casts), replicated_like(p.sharding))
 
 
-def _replicated_like(sharding):
+def replicated_like(sharding):
+    """A sharding that puts a whole copy of an array on every device of `sharding`."""
     if isinstance(sharding, jax.sharding.NamedSharding):
         return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
     return sharding
@@ -198,6 +199,11 @@ class Restructure(eqx.Module, Generic[_M]):
         """Path of every trainable leaf position, in `p` order (tied ones share a slot)."""
         return tuple(path for slot in self._spec.slots for path in slot.paths)
 
+    def _marked(self):
+        """The model's structure with a `_Mark(i)` in place of leaf `i`."""
+        marks = [_Mark(i) for i in range(len(self._spec.kinds))]
+        return jtu.tree_unflatten(self._spec.treedef, marks)
+
     def layout(self) -> list[dict[str, Any]]:
         """A JSON-able description of every array leaf of the model, in leaf order.
 
@@ -209,8 +215,7 @@ class Restructure(eqx.Module, Generic[_M]):
         a file fits a model; non-array leaves are left out.
         """
         spec = self._spec
-        marks = [_Mark(i) for i in range(len(spec.kinds))]
-        marked = jtu.tree_flatten_with_path(jtu.tree_unflatten(spec.treedef, marks))[0]
+        marked = jtu.tree_flatten_with_path(self._marked())[0]
         paths = {m.index: jtu.keystr(k) for k, m in marked}
         first: dict[tuple[str, int], str] = {}
         out = []
@@ -248,8 +253,7 @@ class Restructure(eqx.Module, Generic[_M]):
             ```
         """
         if callable(where):
-            marks = [_Mark(i) for i in range(len(self._spec.kinds))]
-            found = where(jtu.tree_unflatten(self._spec.treedef, marks))
+            found = where(self._marked())
             if not isinstance(found, _Mark):
                 raise ValueError(
                     "`where` must return one leaf of the model, got "
@@ -379,7 +383,7 @@ def destructure(
         model = _drop_tied(model, where, get)
     path_leaves, treedef = jtu.tree_flatten_with_path(model)
     mask = _trainable_mask(model, filter_spec, len(path_leaves))
-    kinds, keep, cast = [], [], []
+    kinds, keep, cast, cast_paths = [], [], [], []
     slots_by_key: dict[
         Any, list[str]
     ] = {}  # tie key -> paths; insertion order = `p` order
@@ -418,10 +422,14 @@ def destructure(
             if key not in cast_by_key:
                 cast_by_key[key] = len(cast)
                 cast.append(leaf)
+                cast_paths.append(path)
             kinds.append((_CAST, cast_by_key[key]))
     trainable = [(paths[0], first_leaf[key]) for key, paths in slots_by_key.items()]
     slot_paths = list(slots_by_key.values())
     p_dtype = _p_dtype(trainable, dtype)
+    for leaf, path in zip(cast, cast_paths, strict=True):
+        if is_complex(leaf.dtype):  # it too must become complex in `p.dtype`
+            complex_dtype(p_dtype, f"The frozen leaf `{path}`")
     slots, offset = [], 0
     for (_, leaf), paths in zip(trainable, slot_paths, strict=True):
         size = int(np.prod(np.shape(leaf), dtype=int)) * (

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._dtypes import x64_enabled
+from ._dtypes import X64_FIX, x64_enabled
 from ._flatten import Restructure, destructure
 from ._io import nonfinite_paths
 from ._validate import as_flat_vector
@@ -55,8 +55,8 @@ def start(model, x0, filter_spec, who: str) -> tuple[np.ndarray, Restructure]:
     if not x64_enabled():
         raise TypeError(
             f"`{who}` runs SciPy, which works in float64, but JAX's 64-bit mode is off, "
-            "so JAX would round every iterate to float32. Fix: "
-            '`jax.config.update("jax_enable_x64", True)` at the start of your program.'
+            f"so JAX would round every iterate to float32: {X64_FIX} at the start of "
+            "your program."
         )
     if isinstance(model, Restructure):
         re = model

@@ -137,6 +137,9 @@ def test_complex_leaf_with_a_half_precision_p_is_an_error(dtype):
     p, re = sciflat.destructure(model)
     with pytest.raises(TypeError, match=r"`\.z`.*no complex counterpart"):
         re(p.astype(dtype))
+    # A frozen complex leaf, too, is refused up front with its path.
+    with pytest.raises(TypeError, match=r"frozen leaf `\.z`.*no complex counterpart"):
+        sciflat.destructure(model, lambda x: x.dtype != jnp.complex64, dtype=dtype)
 
 
 def test_mixed_precision_model_computes_in_p_dtype():
