@@ -91,13 +91,16 @@ def read(path, re: Restructure, fresh_state) -> Carry:
                 f"{got['shape']}; this optimiser expects {want.dtype}"
                 f"{list(np.shape(want))}."
             )
-        leaves.append(jnp.asarray(from_numpy(arrays[f"opt_state_{i}"], got["dtype"])))
-    as_p = lambda name: jnp.asarray(from_numpy(arrays[name], head["dtype"]))
+        name = f"opt_state_{i}"
+        leaves.append(jnp.asarray(from_numpy(arrays[name], got["dtype"], path, name)))
+    as_p = lambda name: jnp.asarray(from_numpy(arrays[name], head["dtype"], path, name))
     return Carry(
         p=jnp.asarray(p),
         opt_state=jax.tree.unflatten(treedef, leaves),
         best_p=as_p("best_p"),
-        best_loss=jnp.asarray(from_numpy(arrays["best_loss"], meta["loss_dtype"])),
+        best_loss=jnp.asarray(
+            from_numpy(arrays["best_loss"], meta["loss_dtype"], path, "best_loss")
+        ),
         last_ok=as_p("last_ok"),
         step=int(meta["step"]),
         history=[float(x) for x in arrays["history"]],

@@ -97,9 +97,17 @@ def make_step(loss, re, optimizer, static_args, reuse_value: bool):
     return step
 
 
-def check_loss_output(out) -> None:
+def check_loss_output(out, dtype) -> None:
+    """A real scalar in `p.dtype`: the strict rule, as `minimize`'s."""
     if out.shape != () or not jnp.issubdtype(out.dtype, jnp.floating):
         raise TypeError(
             "`loss` must return a real scalar, got "
             f"{out.dtype}{list(out.shape)}. Reduce it, e.g. `jnp.mean(...)`."
+        )
+    if out.dtype != dtype:
+        raise TypeError(
+            f"`loss` returns {jnp.dtype(out.dtype).name}, but `p` is "
+            f"{jnp.dtype(dtype).name}: the model computes in {jnp.dtype(dtype).name}, "
+            "so something in the loss casts (its data, a constant, an `astype`). Find "
+            "it with `sciflat.audit_dtypes`, or pass data in `p`'s dtype."
         )

@@ -42,8 +42,17 @@ def to_numpy(x) -> np.ndarray:
     return x
 
 
-def from_numpy(x: np.ndarray, dtype: str) -> np.ndarray:
+def from_numpy(x: np.ndarray, dtype: str, path, name: str) -> np.ndarray:
+    """`x` as read from the file at `path`, checked against the `dtype` its header
+    gives: data that disagree with the header are an error, never silently cast."""
     want = jnp.dtype(dtype)
+    stored = to_numpy(np.zeros(0, want)).dtype
+    if x.dtype != stored:
+        raise ValueError(
+            f"{os.fspath(path)!r} is inconsistent: `{name}` holds {x.dtype.name} data "
+            f"but the header says {want.name}. The file was not written by "
+            "`sciflat.save`/`fit` as it is; write it again."
+        )
     return x.view(want) if want.kind == "V" else x
 
 
@@ -169,18 +178,33 @@ def save(
 
 
 def read(path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    name = repr(os.fspath(path))
     if os.path.exists(path) and not zipfile.is_zipfile(path):
+        raise ValueError(f"{name} is not a sciflat file (not an .npz archive).")
+    try:
+        with np.load(os.fspath(path), allow_pickle=False) as z:
+            if _HEADER not in z.files:
+                raise ValueError(f"{name} is not a sciflat file (no header).")
+            text = str(z[_HEADER])
+            arrays = {k: z[k] for k in z.files if k != _HEADER}
+    except FileNotFoundError:
+        raise
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError) as e:
+        if str(e).startswith(name):  # ours, already naming the file
+            raise
         raise ValueError(
-            f"{os.fspath(path)!r} is not a sciflat file (not an .npz archive)."
-        )
-    with np.load(os.fspath(path), allow_pickle=False) as z:
-        if _HEADER not in z.files:
-            raise ValueError(f"{os.fspath(path)!r} is not a sciflat file (no header).")
-        head = json.loads(str(z[_HEADER]))
-        arrays = {k: z[k] for k in z.files if k != _HEADER}
+            f"{name} is damaged or not a sciflat file ({type(e).__name__}: {e}). "
+            "Write it again, or restore a copy."
+        ) from e
+    try:
+        head = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"{name} is damaged: its header is not valid JSON ({e})."
+        ) from e
     if head.get("format") != FORMAT or head.get("format_version", 0) > FORMAT_VERSION:
         raise ValueError(
-            f"{os.fspath(path)!r} has format {head.get('format')!r} version "
+            f"{name} has format {head.get('format')!r} version "
             f"{head.get('format_version')}; this sciflat reads {FORMAT!r} up to version "
             f"{FORMAT_VERSION}. Update sciflat."
         )
@@ -249,7 +273,7 @@ def load_flat(path, re: Restructure, dtype, who: str) -> tuple[dict, dict, np.nd
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"`dtype` must be a real floating dtype, got {dtype.name}.")
     check_representable(dtype, "`dtype`")
-    p = from_numpy(arrays.pop("p"), head["dtype"])
+    p = from_numpy(arrays.pop("p"), head["dtype"], path, "p")
     return head, arrays, p.astype(dtype)
 
 

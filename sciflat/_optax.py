@@ -173,7 +173,7 @@ def fit(
     fresh = _checkpoint.Carry(p, opt_state, copy(), None, copy(), 0, [])
     carry = _start(checkpoint, resume, re, fresh)  # a checkpoint is checked first
     loss_out = jax.eval_shape(lambda q: loss(re(q), *data), p)
-    check_loss_output(loss_out)
+    check_loss_output(loss_out, p.dtype)
     if carry.best_loss is None:
         carry.best_loss = jnp.asarray(jnp.inf, loss_out.dtype)
     step = make_step(loss, re, optimizer, static_args, reuses_value(opt_state))

@@ -35,7 +35,7 @@ def _bound_array(value, entry: dict, side: str, where: str) -> np.ndarray:
 
 
 def _from_mapping(bounds: Mapping, re: Restructure, entries: dict) -> dict[str, tuple]:
-    out = {}
+    out, given = {}, {}
     for where, pair in bounds.items():
         name = where if isinstance(where, str) else getattr(where, "__name__", "where")
         try:
@@ -53,9 +53,15 @@ def _from_mapping(bounds: Mapping, re: Restructure, entries: dict) -> dict[str, 
             for e in entries.values()
             if (e["offset"], e["offset"] + e["size"]) == (sl.start, sl.stop)
         )
-        if entry["path"] in out:
-            raise ValueError(f"`bounds` gives `{entry['path']}` twice (key {name!r}).")
-        out[entry["path"]] = pair
+        # Tied uses are one array in `p`: the same bounds twice are fine, others not.
+        key = entry["path"]
+        if key in out and not _same(out[key], pair):
+            raise ValueError(
+                f"`bounds` differ for `{name}` and `{given[key]}`, which are the same "
+                f"(tied) array `{key}` in `p`. Give them the same bounds."
+            )
+        out[key] = pair
+        given.setdefault(key, name)
     return out
 
 

@@ -279,3 +279,44 @@ def test_round_trip_and_gradient_rule_on_random_models(case, dtype):
     grad, grad2 = _grad(p, re), _grad(p2, re2)  # one compilation: same structure
     assert grad.dtype == grad2.dtype == p.dtype
     np.testing.assert_array_equal(grad2, grad)
+
+
+#
+# Damaged or inconsistent files: a ValueError naming the file, never a silent cast
+#
+
+
+@pytest.mark.parametrize("stored", [np.float64, np.int32])
+def test_data_that_disagree_with_the_header_dtype_are_refused(tmp_path, stored):
+    model = eqx.nn.Linear(2, 1, key=jax.random.key(0), dtype=jnp.float32)
+    sciflat.save(tmp_path / "m.npz", model)
+    head, arrays = read_raw(tmp_path / "m.npz")
+    assert head["dtype"] == "float32"
+    arrays["p"] = arrays["p"].astype(stored)  # the header still says float32
+    np.savez(tmp_path / "bad.npz", **arrays)
+    match = rf"bad\.npz'.*holds {np.dtype(stored).name} data.*header says float32"
+    with pytest.raises(ValueError, match=match):
+        sciflat.load(tmp_path / "bad.npz", model)
+    with pytest.raises(ValueError, match=match):
+        sciflat.load(tmp_path / "bad.npz", sciflat.destructure(model)[1])
+
+
+def test_flipped_bytes_name_the_file(tmp_path):
+    model = eqx.nn.Linear(20, 10, key=jax.random.key(0))
+    sciflat.save(tmp_path / "m.npz", model)
+    data = bytearray((tmp_path / "m.npz").read_bytes())
+    middle = len(data) // 3  # inside the stored `p`: its CRC no longer matches
+    data[middle : middle + 8] = bytes(b ^ 0xFF for b in data[middle : middle + 8])
+    (tmp_path / "flipped.npz").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"flipped\.npz'.*damaged"):
+        sciflat.load(tmp_path / "flipped.npz", model)
+
+
+def test_a_broken_json_header_names_the_file(tmp_path):
+    model = eqx.nn.Linear(2, 1, key=jax.random.key(0))
+    sciflat.save(tmp_path / "m.npz", model)
+    _, arrays = read_raw(tmp_path / "m.npz")
+    arrays["sciflat_header"] = np.array('{"format": "sciflat", "leaves": [')
+    np.savez(tmp_path / "broken.npz", **arrays)
+    with pytest.raises(ValueError, match=r"broken\.npz'.*header is not valid JSON"):
+        sciflat.load(tmp_path / "broken.npz", model)

@@ -425,3 +425,11 @@ def test_bfloat16_fit_checkpoints_and_resumes_exactly(tmp_path):
     assert inexact_dtypes(rest.raw) == {np.dtype(jnp.bfloat16)}
     np.testing.assert_array_equal(rest.history, full.history)
     np.testing.assert_array_equal(rest.p.view(jnp.uint16), full.p.view(jnp.uint16))
+
+
+def test_a_loss_in_another_dtype_than_p_is_refused():
+    # The strict rule, as `minimize`'s: a float32 loss of a float64 `p` means something
+    # in the loss casts, and the fit would silently run in float32.
+    loss32 = lambda m, x, y: loss(m, x, y).astype(jnp.float32)
+    with pytest.raises(TypeError, match=r"`loss` returns float32.*`p` is float64"):
+        sciflat.fit(loss32, linear(), ADAM, steps=1, args=xy(), progress=False)
