@@ -9,8 +9,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ._flatten import replicated_like
-
 
 def strong(state, dtype):
     """Own buffers for every leaf; weakly typed (Python-scalar-like) leaves become strong,
@@ -28,15 +26,6 @@ def strong(state, dtype):
     return jax.tree.map(fix, state)
 
 
-def place(tree, p):
-    """Every leaf committed to `p`'s device(s), as the step's outputs will be: otherwise
-    the second call sees other input shardings and compiles again."""
-    sharding = p.sharding
-    replicated = replicated_like(sharding)
-    place = lambda x: jax.device_put(x, sharding if x.shape == p.shape else replicated)
-    return jax.tree.map(place, tree)
-
-
 def reuses_value(opt_state) -> bool:
     """L-BFGS & co. keep the value and gradient of the line search in their state."""
     return (
@@ -47,11 +36,7 @@ def reuses_value(opt_state) -> bool:
 
 def make_step(loss, re, optimizer, static_args, reuse_value: bool):
     opt = optax.with_extra_args_support(optimizer)
-    sizes = [
-        leaf["size"]
-        for leaf in re.layout()
-        if leaf["kind"] == "trainable" and leaf["tied_to"] is None
-    ]
+    sizes = [leaf.size for leaf in re.layout().slots]
     # The slots tile `p`: one segment reduction flags them all (one slice per leaf
     # would add a kernel per leaf to the step's compile time).
     segment_ids = np.repeat(np.arange(len(sizes)), sizes)

@@ -21,6 +21,8 @@ from ._dtypes import (
     is_inexact,
     real_dtype,
 )
+from ._layout import FROZEN, OTHER, STATIC, TRAINABLE, Layout, Leaf
+from ._sharding import replicated_like
 from ._validate import as_flat_vector
 
 
@@ -30,7 +32,8 @@ _M = TypeVar("_M")
 # The static description of a model: hashable, so `jit` never retraces for it.
 #
 
-_TRAIN, _CAST, _KEEP, _STATIC = "train", "cast", "keep", "static"
+# One vocabulary with `layout()` and its consumers: a leaf in `p`, cast, kept, static.
+_TRAIN, _CAST, _KEEP, _STATIC = TRAINABLE, FROZEN, OTHER, STATIC
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,13 +115,6 @@ def _rebuild_on_host(spec: _Spec, p: jax.Array, cast_arrays):
     host_cast = [np.asarray(x) for x in cast_arrays]
     slot_arrays, casts = _assemble(spec, np.asarray(p), host_cast, split, _host_complex)
     return jax.device_put((slot_arrays, casts), replicated_like(p.sharding))
-
-
-def replicated_like(sharding):
-    """A sharding that puts a whole copy of an array on every device of `sharding`."""
-    if isinstance(sharding, jax.sharding.NamedSharding):
-        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
-    return sharding
 
 
 class Restructure(eqx.Module, Generic[_M]):
@@ -204,15 +200,17 @@ class Restructure(eqx.Module, Generic[_M]):
         marks = [_Mark(i) for i in range(len(self._spec.kinds))]
         return jtu.tree_unflatten(self._spec.treedef, marks)
 
-    def layout(self) -> list[dict[str, Any]]:
-        """A JSON-able description of every array leaf of the model, in leaf order.
+    def layout(self) -> Layout:
+        """A description of every array leaf of the model, in leaf order.
 
-        Each entry has `path`, `kind`, `shape`, `dtype` and `tied_to` (the first path
-        of the same array, or `None`). `kind` is `"trainable"` (in `p`; `dtype` is the
-        one `re` rebuilds it in, and `offset`/`size` say where it sits in `p`),
-        `"frozen"` (floating but not in `p`; `dtype` as given) or `"other"` (integer,
-        bool or key arrays, passed through). Used by [`sciflat.save`][] to check that
-        a file fits a model; non-array leaves are left out.
+        One `Leaf` record per array leaf, with `path`, `kind`,
+        `shape`, `dtype`, `tied_to` (the first path of the same array, or `None`) and,
+        for trainable leaves, `offset`/`size` in `p`. `kind` is `"trainable"` (in `p`;
+        `dtype` is the one `re` rebuilds it in), `"frozen"` (floating but not in `p`;
+        `dtype` as given) or `"other"` (integer, bool or key arrays, passed through).
+        Non-array leaves are left out. `layout().slots` are the entries of `p` (tied
+        uses once), `layout().to_json()` what [`sciflat.save`][] writes in a file's
+        header and checks a file against.
         """
         spec = self._spec
         marked = jtu.tree_flatten_with_path(self._marked())[0]
@@ -222,20 +220,19 @@ class Restructure(eqx.Module, Generic[_M]):
         for i, (kind, value) in enumerate(spec.kinds):
             if kind == _STATIC:
                 continue
-            tied_to = first.setdefault((kind, value), paths[i])
-            entry: dict[str, Any] = {"path": paths[i]}
+            first_path = first.setdefault((kind, value), paths[i])
+            tied_to = None if first_path == paths[i] else first_path
             if kind == _TRAIN:
                 slot = spec.slots[value]
                 dtype = complex_dtype(spec.dtype, "") if slot.complex else spec.dtype
-                entry.update(kind="trainable", shape=list(slot.shape), dtype=str(dtype))
-                entry.update(offset=slot.offset, size=slot.size)
+                leaf = Leaf(paths[i], TRAINABLE, slot.shape, str(dtype), tied_to)
+                leaf = dataclasses.replace(leaf, offset=slot.offset, size=slot.size)
             else:
                 x = self._arrays[value]
-                entry.update(kind="frozen" if kind == _CAST else "other")
-                entry.update(shape=list(np.shape(x)), dtype=str(x.dtype))
-            entry["tied_to"] = None if tied_to == paths[i] else tied_to
-            out.append(entry)
-        return out
+                kind_ = FROZEN if kind == _CAST else OTHER
+                leaf = Leaf(paths[i], kind_, np.shape(x), str(x.dtype), tied_to)
+            out.append(leaf)
+        return Layout(out)
 
     def slice(self, where: str | Callable[[Any], Any]) -> slice:
         """The slice of `p` that a trainable leaf occupies.

@@ -4,6 +4,7 @@ The file holds `p` and a JSON header (leaf paths, shapes, dtypes, ties, frozen l
 versions). It is read with `allow_pickle=False`: nothing in it is ever executed.
 """
 
+import dataclasses
 import importlib.metadata
 import json
 import os
@@ -19,6 +20,7 @@ from jaxtyping import Array, Float
 
 from ._dtypes import check_representable, complex_dtype, is_complex
 from ._flatten import Restructure, destructure
+from ._layout import OTHER, TRAINABLE, Layout, Leaf, nonfinite_paths
 from ._validate import as_flat_vector
 
 
@@ -56,17 +58,6 @@ def from_numpy(x: np.ndarray, dtype: str, path, name: str) -> np.ndarray:
     return x.view(want) if want.kind == "V" else x
 
 
-def nonfinite_paths(flat, re: Restructure) -> list[str]:
-    """Paths of the trainable leaves with a NaN or infinite entry in `flat`."""
-    bad = ~np.isfinite(to_numpy(flat).astype(np.float64))
-    return [
-        leaf["path"]
-        for leaf in re.layout()
-        if leaf["kind"] == "trainable"
-        and bad[leaf["offset"] : leaf["offset"] + leaf["size"]].any()
-    ]
-
-
 def _check_concrete(x, who: str) -> None:
     if isinstance(x, jax.core.Tracer):
         raise TypeError(
@@ -83,13 +74,14 @@ def _check_concrete(x, who: str) -> None:
 
 def header(p, re: Restructure) -> dict[str, Any]:
     dtype = np.dtype(p.dtype)
-    leaves = re.layout()
-    for leaf in leaves:
-        if (
-            leaf["kind"] == "trainable"
-        ):  # `re` rebuilds in `p.dtype`, whatever it was made in
-            complex_ = is_complex(jnp.dtype(leaf["dtype"]))
-            leaf["dtype"] = str(complex_dtype(dtype, "") if complex_ else dtype)
+    # `re` rebuilds its trainable leaves in `p.dtype`, whatever it was made in.
+    rebuilt = lambda x: complex_dtype(dtype, "") if is_complex(jnp.dtype(x)) else dtype
+    leaves = [
+        dataclasses.replace(x, dtype=str(rebuilt(x.dtype)))
+        if x.kind == TRAINABLE
+        else x
+        for x in re.layout()
+    ]
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -97,7 +89,7 @@ def header(p, re: Restructure) -> dict[str, Any]:
         "restructure": repr(re),
         "dtype": str(dtype),
         "size": len(re),
-        "leaves": leaves,
+        "leaves": Layout(leaves).to_json(),
     }
 
 
@@ -211,47 +203,39 @@ def read(path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     return head, arrays
 
 
-def _describe(leaf: dict[str, Any]) -> str:
-    shape = tuple(leaf["shape"])
-    return f"{leaf['kind']} {leaf['dtype']}{list(shape)}" + (
-        f" tied to `{leaf['tied_to']}`" if leaf["tied_to"] else ""
-    )
+def _describe(leaf: Leaf) -> str:
+    tied = f" tied to `{leaf.tied_to}`" if leaf.tied_to else ""
+    return f"{leaf.kind} {leaf.dtype}{list(leaf.shape)}{tied}"
 
 
-def _key(leaf: dict[str, Any]):
+def _key(leaf: Leaf):
     # A trainable or frozen leaf is rebuilt in the dtype of `p`: compare only real/complex.
-    dtype = leaf["dtype"]
-    if leaf["kind"] != "other":
+    dtype = leaf.dtype
+    if leaf.kind != OTHER:
         dtype = "complex" if is_complex(jnp.dtype(dtype)) else "real"
-    return leaf["path"], leaf["kind"], tuple(leaf["shape"]), dtype, leaf["tied_to"]
+    return leaf.path, leaf.kind, leaf.shape, dtype, leaf.tied_to
 
 
-def check_layout(found: list[dict], re: Restructure, path) -> None:
+def check_layout(entries: list[dict], re: Restructure, path) -> None:
     """Raises naming the first leaf where the file and the skeleton differ."""
-    expected = re.layout()
+    expected, found = re.layout(), [Leaf.from_json(e) for e in entries]
     for want, got in zip(expected, found, strict=False):
         if _key(want) != _key(got):
-            same = want["path"] == got["path"]
-            at = (
-                f"leaf `{want['path']}`" if same else f"leaf `{want['path']}` of `like`"
-            )
+            same = want.path == got.path
+            at = f"leaf `{want.path}`" + ("" if same else " of `like`")
             raise ValueError(
                 f"{os.fspath(path)!r} does not fit `like` at {at}: expected "
                 f"{_describe(want)}, found "
-                + ("" if same else f"`{got['path']}` ")
+                + ("" if same else f"`{got.path}` ")
                 + f"{_describe(got)} in the file."
             )
     if len(expected) != len(found):
-        extra, side = (
-            (found, "file")
-            if len(found) > len(expected)
-            else (expected, "model `like`")
-        )
-        leaf = extra[min(len(expected), len(found))]
+        n = min(len(expected), len(found))
+        extra, side = (found, "file") if len(found) > n else (expected, "model `like`")
         raise ValueError(
-            f"{os.fspath(path)!r} does not fit `like`: the {side} has "
-            f"{len(extra)} array leaves, the other {min(len(expected), len(found))}; "
-            f"the first extra one is `{leaf['path']}` {_describe(leaf)}."
+            f"{os.fspath(path)!r} does not fit `like`: the {side} has {len(extra)} "
+            f"array leaves, the other {n}; the first extra one is `{extra[n].path}` "
+            f"{_describe(extra[n])}."
         )
 
 

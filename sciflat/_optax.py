@@ -20,10 +20,11 @@ from tqdm.auto import tqdm
 
 from . import _checkpoint
 from ._fit_loop import END, Interrupts, dispatch, one_ahead
-from ._fit_step import check_loss_output, make_step, place, reuses_value, strong
+from ._fit_step import check_loss_output, make_step, reuses_value, strong
 from ._flatten import destructure
-from ._io import nonfinite_paths
+from ._layout import names, nonfinite_paths
 from ._result import FitResult
+from ._sharding import place
 
 
 _M = TypeVar("_M")
@@ -158,7 +159,7 @@ def fit(
             "Check `filter_spec` and that the parameters are floating arrays."
         )
     if bad := nonfinite_paths(p, re):
-        raise ValueError(f"`model` starts with NaN or infinity in {_names(bad)}.")
+        raise ValueError(f"`model` starts with NaN or infinity in {names(bad)}.")
     args = tuple(args)
     dynamic_args, static_args = eqx.partition(args, eqx.is_array)
     opt_state = strong(optimizer.init(p), p.dtype)
@@ -288,15 +289,10 @@ def _len_or_none(x) -> int | None:
         return None
 
 
-def _names(paths) -> str:
-    return ", ".join(f"`{p}`" for p in paths)
-
-
 def _nonfinite_message(step: int, value: float, flags, re) -> str:
     bad_p, bad_grad = (np.asarray(f) for f in flags)
-    leaves = [leaf for leaf in re.layout() if leaf["kind"] == "trainable"]
-    unique = [leaf for leaf in leaves if leaf["tied_to"] is None]
-    name = lambda bad: _names(u["path"] for u, b in zip(unique, bad, strict=True) if b)
+    slots = re.layout().slots
+    name = lambda bad: names(x.path for x, b in zip(slots, bad, strict=True) if b)
     message = f"Stopped at step {step}: the loss is {value}"
     if bad_p.any():
         message += f"; the parameters are non-finite in {name(bad_p)}"

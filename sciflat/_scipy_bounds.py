@@ -7,13 +7,15 @@ import jax
 import numpy as np
 
 from ._flatten import Restructure
+from ._layout import TRAINABLE, Leaf
 
 
-def _bound_array(value, entry: dict, side: str, where: str) -> np.ndarray:
+def _bound_array(value, entry: Leaf, side: str, where: str) -> np.ndarray:
     """One side of one leaf's bound as float64 of the leaf's `size` in `p`."""
     default = -np.inf if side == "lower" else np.inf
+    size = entry.slice.stop - entry.slice.start
     if value is None:
-        return np.full(entry["size"], default)
+        return np.full(size, default)
     try:
         arr = np.asarray(value, dtype=np.float64)
     except (TypeError, ValueError):
@@ -21,10 +23,10 @@ def _bound_array(value, entry: dict, side: str, where: str) -> np.ndarray:
             f"`bounds` for `{where}` ({side}) must be None, a number or an array, got "
             f"{type(value).__name__}."
         ) from None
-    shape = tuple(entry["shape"])
-    complex_leaf = entry["size"] != int(np.prod(shape, dtype=int))
+    shape = entry.shape
+    complex_leaf = size != int(np.prod(shape, dtype=int))
     if arr.ndim == 0:
-        return np.full(entry["size"], float(arr))
+        return np.full(size, float(arr))
     if complex_leaf or arr.shape != shape:
         raise ValueError(
             f"`bounds` for `{where}` ({side}) must be a number or an array of the "
@@ -34,7 +36,9 @@ def _bound_array(value, entry: dict, side: str, where: str) -> np.ndarray:
     return arr.ravel()
 
 
-def _from_mapping(bounds: Mapping, re: Restructure, entries: dict) -> dict[str, tuple]:
+def _from_mapping(
+    bounds: Mapping, re: Restructure, entries: dict[str, Leaf]
+) -> dict[str, tuple]:
     out, given = {}, {}
     for where, pair in bounds.items():
         name = where if isinstance(where, str) else getattr(where, "__name__", "where")
@@ -48,13 +52,9 @@ def _from_mapping(bounds: Mapping, re: Restructure, entries: dict) -> dict[str, 
             raise TypeError(
                 f"`bounds[{name!r}]` must be a pair `(lower, upper)`, got {pair!r}."
             )
-        entry = next(
-            e
-            for e in entries.values()
-            if (e["offset"], e["offset"] + e["size"]) == (sl.start, sl.stop)
-        )
+        entry = next(e for e in entries.values() if e.slice == sl)
         # Tied uses are one array in `p`: the same bounds twice are fine, others not.
-        key = entry["path"]
+        key = entry.path
         if key in out and not _same(out[key], pair):
             raise ValueError(
                 f"`bounds` differ for `{name}` and `{given[key]}`, which are the same "
@@ -65,7 +65,7 @@ def _from_mapping(bounds: Mapping, re: Restructure, entries: dict) -> dict[str, 
     return out
 
 
-def _from_pytrees(bounds: tuple, model, entries: dict) -> dict[str, tuple]:
+def _from_pytrees(bounds: tuple, model, entries: dict[str, Leaf]) -> dict[str, tuple]:
     is_none = lambda x: x is None
     want = jax.tree.structure(model, is_leaf=is_none)
     sides = []
@@ -83,7 +83,7 @@ def _from_pytrees(bounds: tuple, model, entries: dict) -> dict[str, tuple]:
     for path in sides[0]:
         lo, hi = sides[0][path], sides[1][path]
         if path in entries:
-            key = entries[path]["path"]
+            key = entries[path].path
             if key in out and not _same(out[key], (lo, hi)):
                 raise ValueError(
                     f"`bounds` differ for `{path}` and `{key}`, which are the same (tied) "
@@ -114,10 +114,12 @@ def flat_bounds(
     """SciPy's `(lb, ub)` for `bounds` given per leaf, checked against `x0`."""
     if bounds is None:
         return None
-    layout = [e for e in re.layout() if e["kind"] == "trainable"]
-    # Every position (ties included) maps to the entry of its first path.
-    first = {e["path"]: e for e in layout if e["tied_to"] is None}
-    entries = {e["path"]: first[e["tied_to"] or e["path"]] for e in layout}
+    layout = re.layout()
+    # Every position in `p` (tied uses too) maps to the slot of its first path.
+    first = {e.path: e for e in layout.slots}
+    entries = {
+        e.path: first[e.tied_to or e.path] for e in layout if e.kind == TRAINABLE
+    }
     if isinstance(bounds, Mapping):
         per_leaf = _from_mapping(bounds, re, entries)
     elif isinstance(bounds, tuple) and len(bounds) == 2:
@@ -131,7 +133,7 @@ def flat_bounds(
     lb, ub = np.full(len(re), -np.inf), np.full(len(re), np.inf)
     for path, (lo, hi) in per_leaf.items():
         e = first[path]
-        sl = slice(e["offset"], e["offset"] + e["size"])
+        sl = e.slice
         lb[sl] = _bound_array(lo, e, "lower", path)
         ub[sl] = _bound_array(hi, e, "upper", path)
     _check(lb, ub, x0, first)
@@ -147,9 +149,9 @@ def _same(a: tuple, b: tuple) -> bool:
     return True
 
 
-def _check(lb, ub, x0, first: dict) -> None:
+def _check(lb, ub, x0, first: dict[str, Leaf]) -> None:
     for path, e in first.items():
-        sl = slice(e["offset"], e["offset"] + e["size"])
+        sl = e.slice
         if np.isnan(lb[sl]).any() or np.isnan(ub[sl]).any():
             raise ValueError(f"`bounds` for `{path}` contain NaN.")
         if (lb[sl] > ub[sl]).any():

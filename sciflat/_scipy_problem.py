@@ -13,7 +13,7 @@ import numpy as np
 
 from ._dtypes import X64_FIX, x64_enabled
 from ._flatten import Restructure, destructure
-from ._io import nonfinite_paths
+from ._layout import names as _names, nonfinite_paths
 from ._validate import as_flat_vector
 
 
@@ -200,10 +200,6 @@ def nonfinite_message(
     elif grad is not None:
         parts.append(f"the {grad_name} is finite")
     return "; ".join(parts) + ". Stopped; `p` is the best finite point seen."
-
-
-def _names(paths) -> str:
-    return ", ".join(f"`{p}`" for p in paths)
 
 
 class Tracker:

@@ -1,5 +1,6 @@
 """`sciflat.save` / `sciflat.load`: round trips, an inspectable file, refusals."""
 
+import dataclasses
 import json
 import os
 import re as re_module
@@ -62,6 +63,38 @@ def test_frozen_leaves_round_trip_with_their_filter_spec(tmp_path):
     assert tree_allclose(loaded, re(p * 2), rtol=0, atol=0)
     with pytest.raises(ValueError, match=r"`\.layers\[0\]\.bias`.*trainable.*frozen"):
         sciflat.load(tmp_path / "m.npz", model)  # saved with biases frozen
+
+
+def test_layout_is_one_typed_record_per_array_leaf_and_its_slots_tile_p():
+    model, _ = EDGE["mixed_precision"]
+    frozen = {**dict(vars(model)), "f": jnp.ones(3)}  # a frozen floating leaf too
+    spec = {**{k: True for k in frozen}, "f": False}
+    p, re = sciflat.destructure(frozen, spec)
+    layout = re.layout()
+    kinds = [(x.path, x.kind) for x in layout]
+    assert sorted(kinds) == [
+        ("['counts']", "other"),
+        ("['f']", "frozen"),
+        ("['w32']", "trainable"),
+        ("['w64']", "trainable"),
+    ]
+    assert [x.slice for x in layout.slots] == [slice(0, 2), slice(2, 4)]
+    assert sum(x.size for x in layout.slots) == len(p)
+    frozen_entry = dict(path="['f']", kind="frozen", shape=[3], dtype="float64")
+    assert json.loads(json.dumps(layout.to_json()))[1] == {
+        **frozen_entry,
+        "tied_to": None,
+    }
+    tied = sciflat.destructure(EDGE["tied_identity"][0])[1].layout()
+    assert [x.path for x in tied.slots] == [".a.weight", ".a.bias"]
+    assert [x.tied_to for x in tied] == [None, None, ".a.weight", ".a.bias"]
+
+
+def test_nonfinite_bfloat16_parameters_are_refused_by_save(tmp_path):
+    # bfloat16 is stored as raw 16-bit words; the NaN check must read the values.
+    p, re = sciflat.destructure({"w": jnp.array([1.0, jnp.nan], jnp.bfloat16)})
+    with pytest.raises(ValueError, match=r"NaN or infinity in `\['w'\]`"):
+        sciflat.save(tmp_path / "m.npz", p, re)
 
 
 def test_the_file_is_plain_npz_with_a_readable_header(tmp_path):
@@ -272,7 +305,7 @@ def test_round_trip_and_gradient_rule_on_random_models(case, dtype):
     p2, re2 = sciflat.destructure(loaded, spec, dtype=p.dtype)
     # (frozen leaves were rebuilt in `p.dtype`, by the dtype rule)
     drop = lambda layout: [
-        {**e, "dtype": None} if e["kind"] == "frozen" else e for e in layout
+        dataclasses.replace(e, dtype="") if e.kind == "frozen" else e for e in layout
     ]
     assert drop(re2.layout()) == drop(re.layout())
     np.testing.assert_array_equal(p2, p)
