@@ -1,10 +1,24 @@
-"""Running the steps of `fit`: Ctrl-C between steps, and one step in flight ahead."""
+"""Running `fit`: the steps, one in flight ahead, Ctrl-C between steps, the stops."""
 
+import dataclasses
 import itertools
+import os
 import signal
 import threading
 from collections.abc import Iterator
-from typing import TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import jax
+import numpy as np
+
+from . import _fit_checkpoint as ckpt
+from ._layout import names
+from ._progress import progress_bar
+from ._result import Status
+
+
+if TYPE_CHECKING:
+    from ._fit_prepare import Prepared
 
 
 _T = TypeVar("_T")
@@ -60,3 +74,90 @@ def one_ahead(steps_run: Iterator[_T]) -> Iterator[_T]:
         yield previous  # not donated yet: recorded before the interrupt is handled
         raise
     yield previous
+
+
+@dataclasses.dataclass
+class Outcome:
+    """How the loop ended: the last state, why, and the last batch (for the final loss)."""
+
+    state: tuple
+    status: Status
+    message: str
+    last_batch: Any
+
+
+def run(
+    prep: "Prepared", *, steps, progress, checkpoint, checkpoint_every, callback
+) -> Outcome:
+    carry = prep.carry
+    status: Status = "max_steps"
+    message = f"Reached `steps` = {steps}."
+    bar = progress_bar(
+        enabled=progress,
+        desc="sciflat.fit",
+        unit="step",
+        total=prep.total,
+        initial=carry.step,
+    )
+    state, last_batch = prep.state, prep.first_batch
+    n_left = None if steps is None else max(steps - carry.step, 0)
+    # Without a callback or checkpoints, nothing needs the parameters between steps:
+    # step k+1 is dispatched before step k's loss is read, so the device never waits.
+    pipelined = callback is None and checkpoint is None
+    try:
+        with Interrupts() as interrupts:
+            args = (prep.step, state, prep.dynamic_args, prep.feed, n_left)
+            steps_run = dispatch(*args, interrupts)
+            for state, value, ok, flags, batch in (
+                one_ahead(steps_run) if pipelined else steps_run
+            ):
+                last_batch = batch
+                value, ok = jax.device_get((value, ok))  # one transfer
+                if not ok:
+                    status = "nonfinite"
+                    message = _nonfinite_message(carry.step, float(value), flags, prep)
+                    break
+                carry.history.append(float(value))
+                carry.step += 1
+                bar.update()
+                bar.set_postfix(loss=f"{float(value):.6g}", refresh=False)
+                if callback is not None and callback(
+                    carry.step, float(value), prep.re(state[0])
+                ):
+                    status = "converged"
+                    message = f"`callback` asked to stop after step {carry.step}."
+                    break
+                if checkpoint is not None and carry.step % checkpoint_every == 0:
+                    ckpt.write_state(checkpoint, prep.re, carry, state)
+            else:
+                if steps is None or carry.step < steps:
+                    message = f"`batches` ran out after {carry.step} steps."
+    except KeyboardInterrupt:
+        status = "interrupted"
+        message = f"Interrupted (KeyboardInterrupt) after {carry.step} steps"
+        if checkpoint is not None and not deleted(state):
+            ckpt.write_state(checkpoint, prep.re, carry, state)
+            message += f"; checkpoint written to {os.fspath(checkpoint)!r}"
+    finally:
+        bar.close()
+    return Outcome(state, status, message, last_batch)
+
+
+def deleted(state) -> bool:
+    """Whether some buffer of `state` was donated to a step that did not return."""
+    leaves = jax.tree.leaves(state)
+    return any(x.is_deleted() for x in leaves if isinstance(x, jax.Array))
+
+
+def _nonfinite_message(step: int, value: float, flags, prep: "Prepared") -> str:
+    bad_p, bad_grad = (np.asarray(f) for f in flags)
+    slots = prep.re.layout().slots
+    name = lambda bad: names(x.path for x, b in zip(slots, bad, strict=True) if b)
+    message = f"Stopped at step {step}: the loss is {value}"
+    if bad_p.any():
+        message += f"; the parameters are non-finite in {name(bad_p)}"
+    if bad_grad.any():
+        message += f"; the gradient is non-finite in {name(bad_grad)}"
+    elif not bad_p.any():
+        message += " (the gradient is finite)"
+    return message + ". Returning the last parameters with a finite loss and gradient."

@@ -14,6 +14,7 @@ import numpy as np
 from ._dtypes import X64_FIX, x64_enabled
 from ._flatten import Restructure, destructure
 from ._layout import names as _names, nonfinite_paths
+from ._progress import progress_bar
 from ._validate import as_flat_vector
 
 
@@ -206,13 +207,11 @@ class Tracker:
     """The best point seen so far (for Ctrl-C) and the loss history per iteration."""
 
     def __init__(self, re: Restructure, callback, progress, desc: str):
-        from tqdm.auto import tqdm
-
         self.re, self.callback = re, callback
         self.best_x, self.best_f = None, np.inf
         self.last_x, self.last_f = None, np.nan
         self.n_calls, self.history = 0, []
-        self.bar = tqdm(desc=desc, disable=not progress, leave=False, unit="it")
+        self.bar = progress_bar(enabled=progress, desc=desc, unit="it", leave=False)
 
     def seen(self, x: np.ndarray, f: float) -> None:
         self.n_calls += 1

@@ -1,5 +1,6 @@
 """`sciflat.fit`: the Optax loop on the flat vector, its dtypes, stops and checkpoints."""
 
+import importlib.util
 import os
 import re as regex
 import signal
@@ -12,6 +13,7 @@ import optax
 import pytest
 
 import sciflat
+import sciflat._progress
 from helpers import inexact_dtypes
 from sciflat._fit_step import make_step, reuses_value, strong
 
@@ -182,6 +184,29 @@ def test_batches_one_per_step_resume_and_running_out(tmp_path):
 def test_progress_bar_shows_the_loss(capsys):
     sciflat.fit(loss, linear(), optax.adam(1e-2), steps=3, args=xy(), progress=True)
     assert "loss=" in capsys.readouterr().err
+
+
+def test_progress_in_a_log_is_plain_lines_and_live_on_a_terminal(capsys, monkeypatch):
+    # Not a terminal (a CI log, a file): whole lines, no carriage-return animation:
+    # here one at the start and one at the end (the fit is shorter than LOG_INTERVAL).
+    sciflat.fit(loss, linear(), ADAM, steps=50, args=xy(), progress=True)
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    lines = err.splitlines()
+    assert len(lines) == 2, lines
+    assert "0/50" in lines[0] and "50/50" in lines[1] and "loss=" in lines[1]
+    # On a terminal: tqdm's live bar, redrawn in place.
+    monkeypatch.setattr(sciflat._progress, "_is_terminal", lambda stream: True)
+    sciflat.fit(loss, linear(), ADAM, steps=3, args=xy(), progress=True)
+    assert "\r" in capsys.readouterr().err
+
+
+def test_progress_in_a_notebook_without_ipywidgets_is_the_text_bar(capsys, monkeypatch):
+    # tqdm's widget needs ipywidgets; without it, the text bar (no error, no warning).
+    monkeypatch.setattr(sciflat._progress, "in_notebook", lambda: True)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    sciflat.fit(loss, linear(), ADAM, steps=3, args=xy(), progress=True)
+    assert "3/3" in capsys.readouterr().err
 
 
 #

@@ -105,3 +105,10 @@ def read(path, re: Restructure, fresh_state) -> Carry:
         step=int(meta["step"]),
         history=[float(x) for x in arrays["history"]],
     )
+
+
+def write_state(path, re: Restructure, carry: Carry, state: tuple) -> None:
+    """Writes the loop's `state` with `carry`'s step and history."""
+    p, opt_state, best_p, best_loss, last_ok = state
+    new = Carry(p, opt_state, best_p, best_loss, last_ok, carry.step, carry.history)
+    write(path, re, new)

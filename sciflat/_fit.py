@@ -1,0 +1,146 @@
+"""`fit`: the common Optax training loop on the flat vector, with nothing lost.
+
+One jit-compiled step (value and gradient, `optimizer.update`, `apply_updates`), compiled
+once; a stop on a non-finite loss or gradient that names the leaves; Ctrl-C returns the
+best point so far; atomic checkpoints that resume bit for bit. In three phases, one
+module each: preparing (`_fit_prepare.py`: every refusal happens there), running
+(`_fit_loop.py`) and finishing (here: the result for each way the loop ended).
+"""
+
+import os
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import equinox as eqx
+import numpy as np
+from jaxtyping import PyTree
+
+from . import _fit_checkpoint as ckpt
+from ._fit_loop import Outcome, deleted, run
+from ._fit_prepare import Prepared, prepare
+from ._result import FitResult
+
+
+if TYPE_CHECKING:
+    import optax
+
+
+_M = TypeVar("_M")
+
+
+def fit(
+    loss: Callable[..., Any],
+    model: _M,
+    optimizer: "optax.GradientTransformation",
+    *,
+    steps: int | None = None,
+    batches: Iterable[PyTree] | None = None,
+    args: tuple = (),
+    filter_spec=True,
+    dtype=None,
+    progress: bool = True,
+    checkpoint: str | os.PathLike | None = None,
+    checkpoint_every: int = 100,
+    resume: bool | None = None,
+    callback: Callable[[int, float, _M], Any] | None = None,
+) -> FitResult[_M]:
+    """Trains a model with an Optax optimiser on its flat parameter vector.
+
+    The model is destructured once; each step is one jit-compiled call (value and
+    gradient of `loss`, `optimizer.update`, `optax.apply_updates`) on the flat vector,
+    compiled once, with `p` and the optimiser state donated. Optimisers that need the
+    loss itself, such as `optax.lbfgs`, get `value`, `grad` and `value_fn`. The fit
+    stops cleanly on a non-finite loss or gradient (status `"nonfinite"`, the last
+    finite point, the step and leaf paths in the message) and on Ctrl-C (status
+    `"interrupted"`, the best point so far). With `checkpoint`, `p`, the optimiser state
+    and the step are written atomically every `checkpoint_every` steps, at the end and
+    on Ctrl-C; `resume=True` continues from the file with the same result as an
+    uninterrupted run.
+
+    !!! Example
+
+        ```python
+        loss = lambda model, x, y: jnp.mean((jax.vmap(model)(x) - y) ** 2)
+        result = sciflat.fit(loss, model, optax.adam(1e-2), steps=500, args=(x, y))
+        result.model, result.history
+        ```
+
+    **Arguments:**
+
+    - `loss`: `loss(model, *args)`, or `loss(model, batch, *args)` with `batches`; returns
+        a real scalar.
+    - `model`: the model to train.
+    - `optimizer`: an Optax `GradientTransformation`.
+    - `steps`: number of steps. With `batches` too: at most this many.
+    - `batches`: an iterable of batches (pytrees of arrays), one per step. On resume,
+        the batches of the steps already done are skipped.
+    - `args`: further arguments of `loss`, the same at every step.
+    - `filter_spec`, `dtype`: as in [`sciflat.destructure`][]; `dtype` trains in that
+        precision whatever the model was initialised in.
+    - `progress`: show a progress bar with the loss.
+    - `checkpoint`: file to checkpoint to; `checkpoint_every`: how often, in steps.
+    - `resume`: `True` continues from `checkpoint` if it exists, `False` overwrites it;
+        the default refuses to overwrite an existing one.
+    - `callback`: `callback(step, loss, model)` after every step; a true return value
+        stops the fit (status `"converged"`).
+
+    **Returns:**
+
+    A [`sciflat.FitResult`][]; `raw` is the final optimiser state (`None` after a
+    non-finite stop, where the state of the returned point is not kept).
+    """
+    prep = prepare(
+        loss,
+        model,
+        optimizer,
+        steps=steps,
+        batches=batches,
+        args=args,
+        filter_spec=filter_spec,
+        dtype=dtype,
+        checkpoint=checkpoint,
+        checkpoint_every=checkpoint_every,
+        resume=resume,
+    )
+    outcome = run(
+        prep,
+        steps=steps,
+        progress=progress,
+        checkpoint=checkpoint,
+        checkpoint_every=checkpoint_every,
+        callback=callback,
+    )
+    return _finish(prep, outcome, checkpoint)
+
+
+def _finish(prep: Prepared, out: Outcome, checkpoint) -> FitResult:
+    """The result for each way the loop ended; a normal end computes the final loss."""
+    re, carry, status, message = prep.re, prep.carry, out.status, out.message
+    p, opt_state, best_p, best_loss, last_ok = out.state
+    history = np.asarray(carry.history, dtype=np.float64)
+    if status == "interrupted":
+        found = bool(np.isfinite(best_loss))
+        p, value = best_p, float(best_loss) if found else float("nan")
+        message += ". Returning the best parameters so far" + (
+            f" (loss {value:.6g})." if found else "; no step had finished."
+        )
+        opt_state = None if deleted(out.state) else opt_state
+    elif status == "nonfinite":
+        # The state after the bad step is unusable (and may be donated already).
+        p, value = last_ok, (history[-1] if len(history) else float("nan"))
+        opt_state = None
+    else:
+        if checkpoint is not None:
+            ckpt.write_state(checkpoint, re, carry, out.state)
+        # Eagerly: one forward pass is not worth a compilation.
+        args = eqx.combine(prep.dynamic_args, prep.static_args)
+        data = args if out.last_batch is None else (out.last_batch, *args)
+        value = float(prep.loss(re(p), *data))
+        if not np.isfinite(value):
+            status = "nonfinite"
+            message = (
+                f"Stopped after step {carry.step}: the loss at the final parameters is "
+                f"{value}. Returning the last parameters with a finite loss and gradient."
+            )
+            p, value, opt_state = last_ok, float(history[-1]), None
+    return FitResult(re(p), p, value, status, message, history, carry.step, opt_state)

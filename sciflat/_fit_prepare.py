@@ -1,0 +1,162 @@
+"""Preparing `fit`: check the arguments, destructure, resume, compile the step.
+
+Everything that can be refused is refused here, before the first step runs.
+"""
+
+import dataclasses
+import itertools
+import os
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from . import _fit_checkpoint as ckpt
+from ._fit_loop import END
+from ._fit_step import check_loss_output, make_step, reuses_value, strong
+from ._flatten import Restructure, destructure
+from ._layout import names, nonfinite_paths
+from ._sharding import place
+
+
+@dataclasses.dataclass
+class Prepared:
+    """What running and finishing a fit need."""
+
+    loss: Callable[..., Any]
+    re: Restructure
+    step: Callable  # the compiled step
+    state: tuple  # (p, opt_state, best_p, best_loss, last_ok), placed on p's devices
+    carry: ckpt.Carry  # step count and history (from a checkpoint when resuming)
+    feed: Iterator  # one batch (or None) per step, the done ones skipped
+    dynamic_args: Any  # the array leaves of `args`, traced
+    static_args: Any  # the rest, compiled in
+    first_batch: Any  # None without `batches`
+    total: int | None  # for the progress bar
+
+
+def prepare(
+    loss,
+    model,
+    optimizer,
+    *,
+    steps,
+    batches,
+    args,
+    filter_spec,
+    dtype,
+    checkpoint,
+    checkpoint_every,
+    resume,
+) -> Prepared:
+    _validate(loss, optimizer, steps, batches, args, checkpoint, checkpoint_every)
+    p, re = destructure(model, filter_spec, dtype=dtype)
+    if len(re) == 0:
+        raise ValueError(
+            "`model` has no trainable floating leaves, so there is nothing to fit. "
+            "Check `filter_spec` and that the parameters are floating arrays."
+        )
+    if bad := nonfinite_paths(p, re):
+        raise ValueError(f"`model` starts with NaN or infinity in {names(bad)}.")
+    dynamic_args, static_args = eqx.partition(tuple(args), eqx.is_array)
+    opt_state = strong(optimizer.init(p), p.dtype)
+    if checkpoint is not None:
+        ckpt.check_state_leaves(opt_state)
+    batch_iter = None if batches is None else iter(batches)
+    first = None if batch_iter is None else next(batch_iter, END)
+    if first is END:
+        raise ValueError("`batches` is empty: there is nothing to train on.")
+    copy = lambda: jnp.array(p, copy=True)  # `p` is donated, these two are not
+    fresh = ckpt.Carry(p, opt_state, copy(), None, copy(), 0, [])
+    carry = _start(checkpoint, resume, re, fresh)  # a checkpoint is checked first
+    data = tuple(args) if batch_iter is None else (first, *args)
+    loss_out = jax.eval_shape(lambda q: loss(re(q), *data), p)
+    check_loss_output(loss_out, p.dtype)
+    if carry.best_loss is None:
+        carry.best_loss = jnp.asarray(jnp.inf, loss_out.dtype)
+    step = make_step(loss, re, optimizer, static_args, reuses_value(opt_state))
+    if batch_iter is None:
+        feed = itertools.repeat(None)
+    else:
+        feed = itertools.islice(itertools.chain([first], batch_iter), carry.step, None)
+    state = (carry.p, carry.opt_state, carry.best_p, carry.best_loss, carry.last_ok)
+    total = steps if steps is not None else _len_or_none(batches)
+    return Prepared(
+        loss=loss,
+        re=re,
+        step=step,
+        state=place(state, p),
+        carry=carry,
+        feed=feed,
+        dynamic_args=dynamic_args,
+        static_args=static_args,
+        first_batch=first,
+        total=total,
+    )
+
+
+def _validate(
+    loss, optimizer, steps, batches, args, checkpoint, checkpoint_every
+) -> None:
+    if not callable(loss):
+        raise TypeError(
+            f"`loss` must be a function of the model, got {type(loss).__name__}."
+        )
+    if not isinstance(optimizer, optax.GradientTransformation):
+        raise TypeError(
+            "`optimizer` must be an Optax GradientTransformation (e.g. "
+            f"`optax.adam(1e-3)`), got {type(optimizer).__name__}."
+        )
+    if steps is None and batches is None:
+        raise ValueError(
+            "Give `steps` (a number of steps), `batches` (an iterable), or both."
+        )
+    for name, n in (("steps", steps), ("checkpoint_every", checkpoint_every)):
+        if n is not None and (
+            isinstance(n, bool) or not isinstance(n, int | np.integer)
+        ):
+            raise TypeError(f"`{name}` must be an int, got {type(n).__name__}.")
+    if steps is not None and steps < 0:
+        raise ValueError(f"`steps` must be >= 0, got {steps}.")
+    if checkpoint_every < 1:
+        raise ValueError(f"`checkpoint_every` must be >= 1, got {checkpoint_every}.")
+    if not isinstance(args, tuple | list):
+        raise TypeError(
+            "`args` must be a tuple of the further arguments of `loss`, e.g. "
+            f"`args=(x, y)` or `args=(x,)`; got {type(args).__name__}."
+        )
+    if batches is not None and not isinstance(batches, Iterable):
+        raise TypeError(
+            f"`batches` must be an iterable of batches, got {type(batches).__name__}."
+        )
+    if checkpoint is not None:
+        folder = os.path.dirname(os.path.abspath(checkpoint))
+        if not os.path.isdir(folder):
+            raise FileNotFoundError(
+                f"`checkpoint`: the folder {folder!r} does not exist."
+            )
+
+
+def _start(checkpoint, resume, re, fresh: ckpt.Carry) -> ckpt.Carry:
+    if checkpoint is None or not os.path.exists(checkpoint):
+        return fresh
+    if resume is None:
+        raise ValueError(
+            f"The checkpoint {os.fspath(checkpoint)!r} already exists. Pass "
+            "`resume=True` to continue from it or `resume=False` to start afresh and "
+            "overwrite it."
+        )
+    if not resume:
+        return fresh
+    return ckpt.read(checkpoint, re, fresh.opt_state)
+
+
+def _len_or_none(x) -> int | None:
+    try:
+        return len(x)
+    except TypeError:
+        return None
