@@ -74,15 +74,18 @@ def fit(
     - `steps`: number of steps. With `batches` too: at most this many.
     - `batches`: an iterable of batches (pytrees of arrays), one per step. On resume,
         the batches of the steps already done are skipped.
-    - `args`: further arguments of `loss`, the same at every step.
+    - `args`: further arguments of `loss`, a tuple unpacked as `loss(model, *args)`,
+        the same at every step. `args` and `callback` follow one convention in all
+        three fits ([`sciflat.minimize`][], [`sciflat.least_squares`][] too), that of
+        `scipy.optimize`'s `args=`: see [Migrating](migration.md#the-three-fits).
     - `filter_spec`, `dtype`: as in [`sciflat.destructure`][]; `dtype` trains in that
         precision whatever the model was initialised in.
     - `progress`: show a progress bar with the loss.
     - `checkpoint`: file to checkpoint to; `checkpoint_every`: how often, in steps.
     - `resume`: `True` continues from `checkpoint` if it exists, `False` overwrites it;
         the default refuses to overwrite an existing one.
-    - `callback`: `callback(step, loss, model)` after every step; a true return value
-        stops the fit (status `"converged"`).
+    - `callback`: `callback(step, loss, model)` after every step (`step` counts from
+        1); a true return value stops the fit (status `"converged"`).
 
     **Returns:**
 
