@@ -1,14 +1,35 @@
+import importlib
 import importlib.metadata
+import typing
 
 from ._audit import assert_dtypes as assert_dtypes, audit_dtypes as audit_dtypes
 from ._audit_report import DtypeReport as DtypeReport, Finding as Finding
 from ._diffrax import VectorField as VectorField, vector_field as vector_field
-from ._fit import fit as fit
 from ._flatten import Restructure as Restructure, destructure as destructure
 from ._io import load as load, save as save
-from ._least_squares import least_squares as least_squares
 from ._result import FitResult as FitResult
-from ._scipy import minimize as minimize
+
+
+# The fits load Optax, `scipy.optimize` and tqdm: imported on first use, so that
+# `import sciflat` costs only what `destructure` needs (CONTRIBUTING.md has the figures).
+if typing.TYPE_CHECKING:
+    from ._fit import fit as fit
+    from ._least_squares import least_squares as least_squares
+    from ._scipy import minimize as minimize
+
+_LAZY = {"fit": "._fit", "least_squares": "._least_squares", "minimize": "._scipy"}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'sciflat' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    globals()[name] = value  # found directly from now on
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
 
 
 __version__ = importlib.metadata.version("sciflat")

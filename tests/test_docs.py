@@ -238,7 +238,10 @@ def public_names() -> set[str]:
     """The names `sciflat/__init__.py` exports, `__version__` aside."""
     tree = ast.parse((ROOT / "sciflat" / "__init__.py").read_text())
     names = set()
-    for node in tree.body:
+    # The fits are imported lazily: their names sit in an `if TYPE_CHECKING:` block.
+    for node in [
+        n for t in tree.body for n in (t.body if isinstance(t, ast.If) else [t])
+    ]:
         if isinstance(node, ast.ImportFrom):
             names |= {a.asname or a.name for a in node.names}
         elif isinstance(node, ast.Assign):
