@@ -20,7 +20,7 @@ if typing.TYPE_CHECKING:
 _LAZY = {"fit": "._fit", "least_squares": "._least_squares", "minimize": "._scipy"}
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> typing.Any:
     if name not in _LAZY:
         raise AttributeError(f"module 'sciflat' has no attribute {name!r}")
     value = getattr(importlib.import_module(_LAZY[name], __name__), name)

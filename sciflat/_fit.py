@@ -7,15 +7,15 @@ module each: preparing (`_fit_prepare.py`: every refusal happens there), running
 (`_fit_loop.py`) and finishing (here: the result for each way the loop ended).
 """
 
-import os
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import equinox as eqx
 import numpy as np
-from jaxtyping import PyTree
+from jax.typing import DTypeLike
 
 from . import _fit_checkpoint as ckpt
+from ._custom_types import FilePath, FilterSpec, PyTree
 from ._fit_loop import Outcome, deleted, run
 from ._fit_prepare import Prepared, prepare
 from ._result import FitResult
@@ -34,12 +34,12 @@ def fit(
     optimizer: "optax.GradientTransformation",
     *,
     steps: int | None = None,
-    batches: Iterable[PyTree] | None = None,
-    args: tuple = (),
-    filter_spec=True,
-    dtype=None,
+    batches: Iterable[PyTree[Any]] | None = None,
+    args: tuple[Any, ...] = (),
+    filter_spec: FilterSpec = True,
+    dtype: DTypeLike | None = None,
     progress: bool = True,
-    checkpoint: str | os.PathLike | None = None,
+    checkpoint: FilePath | None = None,
     checkpoint_every: int = 100,
     resume: bool | None = None,
     callback: Callable[[int, float, _M], Any] | None = None,

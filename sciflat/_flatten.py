@@ -12,8 +12,9 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jax.typing import DTypeLike
-from jaxtyping import Array, Float, PyTree
+from jaxtyping import Array, Float
 
+from ._custom_types import FilterSpec
 from ._dtypes import (
     check_representable,
     complex_dtype,
@@ -176,7 +177,7 @@ class Restructure(eqx.Module, Generic[_M]):
     def __hash__(self) -> int:
         return hash((self._spec, self._ties, tuple(id(x) for x in self._arrays)))
 
-    def __eq__(self, other) -> bool:  # pyright: ignore[reportIncompatibleMethodOverride]
+    def __eq__(self, other: object) -> bool:  # pyright: ignore[reportIncompatibleMethodOverride]
         return (
             type(other) is type(self)
             and self._spec == other._spec
@@ -339,7 +340,7 @@ def _ravel(arrays: list, dtype: np.dtype, like) -> jax.Array:
 
 def destructure(
     model: _M,
-    filter_spec: PyTree[bool | Callable[[Any], bool]] = True,
+    filter_spec: FilterSpec = True,
     *,
     dtype: DTypeLike | None = None,
     ties: Sequence[tuple[Callable[[_M], Any], Callable[[_M], Any]]] = (),

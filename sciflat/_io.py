@@ -10,14 +10,16 @@ import json
 import os
 import tempfile
 import zipfile
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 import jax
 import jax.core  # `jax.core.Tracer`: imported explicitly so type checkers see it
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 from jaxtyping import Array, Float
 
+from ._custom_types import FilePath, FilterSpec, PyTree
 from ._dtypes import check_representable, complex_dtype, is_complex
 from ._flatten import Restructure, destructure
 from ._layout import OTHER, TRAINABLE, Layout, Leaf, nonfinite_paths
@@ -113,10 +115,30 @@ def write_atomic(path, arrays: dict[str, np.ndarray], head: dict[str, Any]) -> N
         raise
 
 
+@overload
 def save(
-    path: str | os.PathLike,
-    p_or_model,
-    re: Restructure | None = None,
+    path: FilePath,
+    p_or_model: Float[Array, " n"],
+    re: Restructure[Any],
+    *,
+    allow_nonfinite: bool = False,
+) -> None: ...
+
+
+@overload
+def save(
+    path: FilePath,
+    p_or_model: PyTree[Any],
+    re: None = None,
+    *,
+    allow_nonfinite: bool = False,
+) -> None: ...
+
+
+def save(
+    path: FilePath,
+    p_or_model: PyTree[Any],
+    re: Restructure[Any] | None = None,
     *,
     allow_nonfinite: bool = False,
 ) -> None:
@@ -261,12 +283,32 @@ def load_flat(path, re: Restructure, dtype, who: str) -> tuple[dict, dict, np.nd
     return head, arrays, p.astype(dtype)
 
 
+@overload
 def load(
-    path: str | os.PathLike,
-    like: _M | Restructure[_M],
+    path: FilePath,
+    like: Restructure[Any],
     *,
-    filter_spec=True,
-    dtype=None,
+    filter_spec: FilterSpec = True,
+    dtype: DTypeLike | None = None,
+) -> Float[Array, " n"]: ...
+
+
+@overload
+def load(
+    path: FilePath,
+    like: _M,
+    *,
+    filter_spec: FilterSpec = True,
+    dtype: DTypeLike | None = None,
+) -> _M: ...
+
+
+def load(
+    path: FilePath,
+    like: _M | Restructure[Any],
+    *,
+    filter_spec: FilterSpec = True,
+    dtype: DTypeLike | None = None,
 ) -> _M | Float[Array, " n"]:
     """Loads what [`sciflat.save`][] wrote, after checking it fits a skeleton.
 
