@@ -1,4 +1,6 @@
-"""Shared test utilities: reference comparisons and the edge-case models."""
+"""Shared test utilities: reference comparisons, the edge-case models, the jaxpr scanner."""
+
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -109,17 +111,40 @@ def edge_models():
     }
 
 
-def float_dtypes_in_jaxpr(closed_jaxpr) -> set[str]:
-    """Names of the floating dtypes output by any equation, nested jaxprs included."""
+#
+# The one jaxpr scanner of the suite
+#
+
+
+def float_outputs(jaxpr) -> list[tuple[str, Any]]:
+    """`(primitive, aval)` for every floating value any equation outputs, nested
+    jaxprs (scan, cond, custom derivatives, pjit...) included: what a computation
+    computes *in*. Takes a `ClosedJaxpr` (as `jax.make_jaxpr` returns) or a `Jaxpr`."""
     from jax.extend.core import jaxprs_in_params
 
-    found, stack = set(), [closed_jaxpr.jaxpr]
+    found, stack = [], [getattr(jaxpr, "jaxpr", jaxpr)]
     while stack:
         jaxpr = stack.pop()
         for eqn in jaxpr.eqns:
             for var in eqn.outvars:
                 dtype = getattr(var.aval, "dtype", None)
                 if dtype is not None and jnp.issubdtype(dtype, jnp.floating):
-                    found.add(np.dtype(dtype).name)
+                    found.append((eqn.primitive.name, var.aval))
             stack.extend(jaxprs_in_params(eqn.params))
     return found
+
+
+def float_dtypes_in_jaxpr(jaxpr) -> set[str]:
+    """Names of the floating dtypes output by any equation, nested jaxprs included."""
+    return {np.dtype(aval.dtype).name for _, aval in float_outputs(jaxpr)}
+
+
+def foreign_float_ops(jaxpr, dtype) -> list[str]:
+    """Every op producing a strongly typed float of another dtype than `dtype`.
+    Weakly typed scalars (`~float64[]`, Python constants such as a step-size factor)
+    are literals combined with `dtype` values in `dtype`, not computations on `p`."""
+    return [
+        f"{name}: {aval}"
+        for name, aval in float_outputs(jaxpr)
+        if aval.dtype != dtype and not aval.weak_type
+    ]

@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import jax.scipy.linalg as jsl
 import numpy as np
 import pytest
-from jax.extend import core as jcore
 
 import sciflat
+from helpers import foreign_float_ops
 
 
 T1, DT = 1.0, 0.05
@@ -65,34 +65,6 @@ def solve_grad(solver_name: str, adjoint_name: str, dtype_name: str, args: str =
         return jnp.sum(sol.ys[-1] ** 2)
 
     return loss, jax.jit(jax.value_and_grad(loss))
-
-
-def _subjaxprs(params):
-    for value in params.values():
-        for x in value if isinstance(value, list | tuple) else [value]:
-            if isinstance(x, jcore.ClosedJaxpr):
-                yield x.jaxpr
-            elif isinstance(x, jcore.Jaxpr):
-                yield x
-
-
-def foreign_float_ops(jaxpr, dtype) -> list[str]:
-    """Every op (nested jaxprs included) producing a strongly typed float of another
-    dtype. Weakly typed scalars (`~float64[]`, Python constants such as a step-size
-    factor) are literals combined with `dtype` values in `dtype`, not computations
-    on `p`, so they are not counted."""
-    bad = []
-    for eqn in jaxpr.eqns:
-        for var in eqn.outvars:
-            aval = var.aval
-            floating = hasattr(aval, "dtype") and jnp.issubdtype(
-                aval.dtype, jnp.floating
-            )
-            if floating and aval.dtype != dtype and not aval.weak_type:
-                bad.append(f"{eqn.primitive.name}: {aval}")
-        for sub in _subjaxprs(eqn.params):
-            bad += foreign_float_ops(sub, dtype)
-    return bad
 
 
 @pytest.mark.parametrize(

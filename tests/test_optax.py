@@ -2,7 +2,6 @@
 
 import importlib.util
 import os
-import re as regex
 import signal
 
 import equinox as eqx
@@ -14,7 +13,7 @@ import pytest
 
 import sciflat
 import sciflat._progress
-from helpers import inexact_dtypes
+from helpers import float_outputs, inexact_dtypes
 from sciflat._fit_step import make_step, reuses_value, strong
 
 
@@ -43,11 +42,6 @@ OPTIMIZERS = {
     "lbfgs": lambda: optax.lbfgs(),
     "sgd_schedule": lambda: optax.sgd(optax.exponential_decay(0.1, 10, 0.5)),
 }
-
-
-def float_avals(jaxpr) -> set[str]:
-    """Every floating type a jaxpr computes with, e.g. {'f64[2]', 'f64[]'}."""
-    return set(regex.findall(r"(?:bf16|f16|f32|f64)\[[0-9,]*\]", str(jaxpr)))
 
 
 def hand_loop(model, optimizer, n, dtype=jnp.float64):
@@ -221,7 +215,8 @@ def test_float64_step_computes_in_float64_only(name):
     state = strong(optimizer.init(p), p.dtype)
     step = make_step(loss, re, optimizer, (None, None), reuses_value(state))
     args = (p, state, p, jnp.asarray(jnp.inf), p, None, xy())
-    avals = float_avals(jax.make_jaxpr(step)(*args))
+    jaxpr = jax.make_jaxpr(step)(*args)
+    avals = {a.str_short(short_dtypes=True) for _, a in float_outputs(jaxpr)}
     out = jax.eval_shape(step, *args)
     (new_p, new_state, *_), value, *_ = out
     assert new_p.dtype == value.dtype == jnp.float64
