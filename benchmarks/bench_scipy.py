@@ -123,8 +123,8 @@ def lotka_volterra(repeats: int) -> None:
     def ours(loss, mode="auto"):
         def run():
             return sciflat.minimize(
-                loss, LotkaVolterra(jnp.asarray(start)), data, bounds={"rates": (0.0, None)},
-                mode=mode, progress=False,
+                loss, LotkaVolterra(jnp.asarray(start)), args=(data,),
+                bounds={"rates": (0.0, None)}, mode=mode, progress=False,
             )  # fmt: skip
 
         return run
@@ -224,7 +224,9 @@ def pinn(repeats: int, iters: int) -> None:
     hand = lambda: scipy.optimize.minimize(
         hand_fun, np.asarray(flat), jac=True, method="L-BFGS-B", options=options
     )
-    ours = lambda: sciflat.minimize(pinn_loss, net, t, progress=False, options=options)
+    ours = lambda: sciflat.minimize(
+        pinn_loss, net, args=(t,), progress=False, options=options
+    )
     fits = {
         "hand jit(value_and_grad)": hand,
         "hand, 1 BLAS thread": one_blas_thread(hand),
@@ -242,7 +244,9 @@ def pinn(repeats: int, iters: int) -> None:
     # Per call: each wrapper's `fun(x)` and its jitted call alone, at the same x.
     short = {"maxiter": 1}
     ours_fun = capture_fun(
-        lambda: sciflat.minimize(pinn_loss, net, t, progress=False, options=short)
+        lambda: sciflat.minimize(
+            pinn_loss, net, args=(t,), progress=False, options=short
+        )
     )["fun"]
     x = np.asarray(flat)
     x_dev = jnp.asarray(x)

@@ -3,8 +3,9 @@ SciPy call, bookkeeping of the best point, and stopping cleanly."""
 
 import contextlib
 import functools as ft
-from collections.abc import Callable
-from typing import Any, Literal
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import Any, Literal, ParamSpec, TypeVar
 
 import equinox as eqx
 import jax
@@ -13,6 +14,7 @@ import numpy as np
 
 from ._dtypes import X64_FIX, x64_enabled
 from ._flatten import Restructure, destructure
+from ._fn_key import Same, function_key
 from ._io import nonfinite_paths
 from ._validate import as_flat_vector
 
@@ -81,6 +83,38 @@ def start(model, x0, filter_spec, who: str) -> tuple[np.ndarray, Restructure]:
     return x0, re
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def data_by_keyword(fit: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Turn data passed after the model (the old `*args`) into a clear error."""
+    who = fit.__name__
+
+    @ft.wraps(fit)
+    def checked(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        if len(args) > 2:
+            n = len(args) - 2
+            raise TypeError(
+                f"`{who}` takes the data of the loss as `args=(...)`, a tuple (as "
+                f"`scipy.optimize.{who}` and `sciflat.fit` do), but got {n} positional "
+                f"argument{'s' * (n > 1)} after `model`: write "
+                f"`sciflat.{who}(loss, model, args=(x, y), ...)`."
+            )
+        return fit(*args, **kwargs)
+
+    return checked
+
+
+def check_args(args, who: str) -> tuple:
+    if not isinstance(args, tuple | list):
+        raise TypeError(
+            f"`{who}`: `args` must be a tuple of the further arguments of the loss, "
+            f"e.g. `args=(x, y)` or `args=(x,)`; got {type(args).__name__}."
+        )
+    return tuple(args)
+
+
 class NonFinite(Exception):
     def __init__(self, message: str):
         super().__init__(message)
@@ -115,21 +149,119 @@ class _Rebuild:
         return isinstance(other, _Rebuild) and self._key == other._key
 
 
-# Compiled functions per (what, loss, re, args structure, mode): a second fit of the
-# same problem (new data, new start) compiles nothing.
+#
+# Compiled functions, cached across fits
+#
+
+# Keyed by everything that can change what a trace produces (the loss by
+# `function_key`, `re`, the static part and the shapes/dtypes of the data, JAX's
+# trace-time configuration), so a second fit of the same problem (new data of the same
+# shapes, new start, new `lambda` with the same code and closure) traces nothing.
+# Ahead-of-time compiled: a call with other shapes is an error, never a retrace of a
+# stale function.
+_CACHE: OrderedDict[Hashable, Any] = OrderedDict()
+CACHE_SIZE = 64
+
+
+class _Failed:
+    """A gradient mode that failed to trace while another one worked."""
+
+
+def _config_key() -> Hashable:
+    # x64 and the matmul precision explicitly (documented); JAX's own jit key for the rest.
+    try:
+        from jax._src.config import trace_context
+
+        rest = trace_context()
+    except Exception:  # a JAX without it: the two that matter most
+        rest = ()
+    # Context-manager flags are read as attributes (`jax.config.read` refuses them).
+    flags = ("jax_enable_x64", "jax_default_matmul_precision")
+    return (*(getattr(jax.config, f) for f in flags), rest)
+
+
+def _signature(example) -> Hashable:
+    def one(x):
+        aval = jax.typeof(x)
+        return (aval.shape, aval.dtype, aval.weak_type, getattr(x, "sharding", None))
+
+    return tuple(one(x) for x in jax.tree.leaves(example))
+
+
+class Programs:
+    """The compiled functions of one fit, looked up in (or added to) the cache.
+
+    The loss is looked up first by identity (the same function object is reused, as
+    by `jax.jit`), then by `function_key` (a new `lambda` with the same code and
+    equal closure and globals)."""
+
+    def __init__(self, build: Callable, loss: Callable, re: Restructure, args: tuple):
+        self.leaves, rebuild = split_args(args)
+        self._parts = (build, loss, re, rebuild)
+        self._rest = (build, re, rebuild, _config_key())
+        self._by_value: Hashable | None = None
+
+    def _lookup(self, kind: str, mode: str, example) -> tuple[Any, list]:
+        """The cached entry (or None) and the keys to store a new one under."""
+        loss = self._parts[1]
+        where = (kind, mode, _signature((*example, self.leaves)), self._rest)
+        keys: list[Hashable] = [(*where, Same(loss))]
+        hit = _CACHE.get(keys[0])
+        if hit is None:
+            if self._by_value is None:
+                self._by_value = function_key(loss)
+            if self._by_value != Same(loss):  # keyable by value
+                keys.append((*where, self._by_value))
+                hit = _CACHE.get(keys[-1])
+        if hit is not None:
+            _CACHE.move_to_end(keys[-1])
+        return hit, keys
+
+    def get(self, kind: str, mode: str, *example) -> Any:
+        """The compiled `kind` function; `example`: its arguments but the data."""
+        hit, keys = self._lookup(kind, mode, example)
+        if hit is None or isinstance(hit, _Failed):
+            build, loss, re, rebuild = self._parts
+            fn = jax.jit(build(kind, loss, re, rebuild, mode))
+            hit = fn.lower(*example, self.leaves).compile()
+            for key in keys:
+                _remember(key, hit)
+        return hit
+
+    def first_working(self, kind: str, modes: list[str], *example) -> tuple[Any, str]:
+        """Compile with the preferred mode; on a trace-time error (e.g. forward mode
+        through `RecursiveCheckpointAdjoint`, reverse mode through `ForwardMode`) fall
+        back to the other one. A mode that failed is remembered (not traced again)
+        once another one worked. Returns (compiled function, mode used)."""
+        failed, errors = [], []
+        for mode in modes:
+            hit, keys = self._lookup(kind, mode, example)
+            if isinstance(hit, _Failed):
+                continue
+            try:
+                fn = hit if hit is not None else self.get(kind, mode, *example)
+            except (TypeError, ValueError) as e:
+                failed += keys
+                errors.append(e)
+                continue
+            for key in failed:
+                _remember(key, _Failed())
+            return fn, mode
+        raise errors[-1]
+
+
+def _remember(key, value) -> None:
+    _CACHE[key] = value
+    while len(_CACHE) > CACHE_SIZE:
+        _CACHE.popitem(last=False)
+
+
 def _with_aux(f):
     def f_and_value(x):
         value = f(x)
         return value, value
 
     return f_and_value
-
-
-@ft.lru_cache(maxsize=64)
-def jitted(
-    kind: str, build: Callable, user_fn: Callable, re, rebuild: _Rebuild, mode: str
-):
-    return jax.jit(build(kind, user_fn, re, rebuild, mode))
 
 
 def check_float64(out, what: str) -> None:
@@ -139,24 +271,6 @@ def check_float64(out, what: str) -> None:
             f"{what} has dtype {jnp.dtype(dtype).name}; the model computes in float64 "
             "here, so something in it casts. Find it with `sciflat.audit_dtypes`."
         )
-
-
-def compile_first_working(
-    modes: list[str], get: Callable[[str], Any], example
-) -> tuple:
-    """Compile with the preferred mode; on a trace-time error (e.g. forward mode
-    through `RecursiveCheckpointAdjoint`, reverse mode through `ForwardMode`) fall
-    back to the other one. Returns (jitted function, mode used)."""
-    errors = []
-    for mode in modes:
-        fn = get(mode)
-        try:
-            fn.lower(*example)  # traces now: a retrace never happens later
-        except (TypeError, ValueError) as e:
-            errors.append(e)
-            continue
-        return fn, mode
-    raise errors[-1]
 
 
 def choose_modes(mode: Mode, forward_first: bool) -> list[str]:
@@ -206,6 +320,12 @@ def _names(paths) -> str:
     return ", ".join(f"`{p}`" for p in paths)
 
 
+class _Stop(Exception):
+    def __init__(self, step: int):
+        super().__init__(step)
+        self.step = step
+
+
 class Tracker:
     """The best point seen so far (for Ctrl-C) and the loss history per iteration."""
 
@@ -213,6 +333,7 @@ class Tracker:
         from tqdm.auto import tqdm
 
         self.re, self.callback = re, callback
+        self.stopped_at: tuple[np.ndarray, float] = (np.empty(0), np.nan)
         self.best_x, self.best_f = None, np.inf
         self.last_x, self.last_f = None, np.nan
         self.n_calls, self.history = 0, []
@@ -228,8 +349,12 @@ class Tracker:
         self.history.append(f)
         self.bar.set_postfix(loss=f"{f:.6g}", refresh=False)
         self.bar.update(1)
-        if self.callback is not None:
-            self.callback(self.re(jnp.asarray(x)), f)
+        step = len(self.history)
+        if self.callback is not None and self.callback(
+            step, f, self.re(jnp.asarray(x))
+        ):
+            self.stopped_at = (x.copy(), f)
+            raise _Stop(step)
 
     def best(self, x0: np.ndarray) -> tuple[np.ndarray, float]:
         return (x0, np.inf) if self.best_x is None else (self.best_x, self.best_f)
@@ -249,6 +374,9 @@ def run(call: Callable[[], Any], tracker: Tracker, x0: np.ndarray) -> tuple:
         return None, "interrupted", message, *tracker.best(x0)
     except NonFinite as e:
         return None, "nonfinite", e.message, *tracker.best(x0)
+    except _Stop as e:
+        message = f"`callback` asked to stop after iteration {e.step}."
+        return None, "converged", message, *tracker.stopped_at
     finally:
         tracker.close()
     return res, None, str(res.message), res.x, None
