@@ -59,8 +59,24 @@ def function_key(fn) -> Hashable:
         return Same(fn)
 
 
+def identity_key(fn) -> Hashable:
+    """Equal for the same object, as `jax.jit`'s key; and for sciflat's (or another
+    library's) wrapper closures around the same objects, which a fit may create anew
+    each call (`ft.wraps`-style adapters)."""
+    if isinstance(fn, types.FunctionType) and fn.__closure__ and _library(fn):
+        try:
+            cells = tuple(identity_key(c.cell_contents) for c in fn.__closure__)
+        except ValueError:  # an empty cell
+            return Same(fn)
+        return (fn.__code__, cells)
+    return Same(fn)
+
+
 def _library(obj) -> bool:
-    module = getattr(obj, "__module__", None) or type(obj).__module__ or ""
+    if isinstance(obj, types.FunctionType):  # where it was defined (not `ft.wraps`'s)
+        module = obj.__globals__.get("__name__") or ""
+    else:
+        module = getattr(obj, "__module__", None) or type(obj).__module__ or ""
     return module.partition(".")[0] in _LIBRARIES
 
 
@@ -94,7 +110,10 @@ class _Keyer:
                 raise _Unkeyable
             return (np.ndarray, obj.shape, obj.dtype.str, obj.tobytes())
         if isinstance(obj, types.FunctionType):
-            return Same(obj) if _library(obj) else self.function(obj)
+            # Library code without a closure never changes; a closure made at run
+            # time (an adapter around the user's loss) is keyed by what it holds.
+            library = _library(obj) and not obj.__closure__
+            return Same(obj) if library else self.function(obj)
         if isinstance(obj, types.ModuleType):
             return self.module(obj, names)
         if isinstance(obj, type):

@@ -14,7 +14,7 @@ import numpy as np
 
 from ._dtypes import X64_FIX, x64_enabled
 from ._flatten import Restructure, destructure
-from ._fn_key import Same, function_key
+from ._fn_key import Same, function_key, identity_key
 from ._io import nonfinite_paths
 from ._validate import as_flat_vector
 
@@ -205,7 +205,7 @@ class Programs:
         """The cached entry (or None) and the keys to store a new one under."""
         loss = self._parts[1]
         where = (kind, mode, _signature((*example, self.leaves)), self._rest)
-        keys: list[Hashable] = [(*where, Same(loss))]
+        keys: list[Hashable] = [(*where, identity_key(loss))]
         hit = _CACHE.get(keys[0])
         if hit is None:
             if self._by_value is None:

@@ -6,10 +6,14 @@ forward-mode solve.
 """
 
 import contextlib
+import struct
 import time
 
 import diffrax
 import equinox as eqx
+import hypothesis
+import hypothesis.extra.numpy as hnp
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +22,8 @@ import scipy.optimize
 
 import sciflat
 from helpers import Tied, float_dtypes_in_jaxpr
-from sciflat import _scipy
+from sciflat import _scipy, _scipy_problem as sp
+from sciflat._fn_key import function_key, identity_key
 
 
 class Quad(eqx.Module):
@@ -283,6 +288,47 @@ def test_a_failed_mode_is_remembered(lv_data):
     with count_traces() as traces:
         assert "reverse" in fit().message
     assert traces == []
+
+
+# Values a loss may close over, and when two of them must share a compilation: only
+# when they are the same type with the same bits (1, 1.0, True, -0.0, 0.0 differ).
+_VALUES = st.one_of(
+    st.floats(allow_nan=True, width=64),
+    st.integers(-3, 3),
+    st.booleans(),
+    hnp.arrays(st.sampled_from([np.float32, np.float64]), st.integers(0, 3)),
+)
+_CLOSED = st.one_of(_VALUES, st.tuples(_VALUES, _VALUES))
+
+
+def _bits(v):
+    if isinstance(v, tuple):
+        return (tuple, *map(_bits, v))
+    if isinstance(v, np.ndarray):
+        return (np.ndarray, v.dtype.str, v.shape, v.tobytes())
+    return (type(v), struct.pack("<d", v) if isinstance(v, float) else v)
+
+
+@hypothesis.settings(max_examples=200, deadline=None)
+@hypothesis.given(a=_CLOSED, b=_CLOSED)
+def test_function_key_is_equal_exactly_for_the_same_closed_over_values(a, b):
+    make = lambda value: lambda m: m + jnp.sum(jnp.asarray(value))
+    assert (function_key(make(a)) == function_key(make(b))) == (_bits(a) == _bits(b))
+    assert function_key(make(a)) == function_key(make(a))
+
+
+def test_function_key_falls_back_to_identity_for_what_may_change():
+    class Settings:  # a mutable object: its attributes may change between fits
+        scale = 1.0
+
+    settings = Settings()
+    f = lambda m: settings.scale * m
+    g = lambda m: settings.scale * m
+    assert function_key(f) == function_key(f) and function_key(f) != function_key(g)
+    # sciflat's own adapters, made anew per fit, around the same loss: equal.
+    wrap = lambda loss: sp.data_by_keyword(loss)
+    assert identity_key(wrap(quad_loss)) == identity_key(wrap(quad_loss))
+    assert identity_key(wrap(quad_loss)) != identity_key(wrap(tied_loss))
 
 
 def test_data_after_the_model_is_a_clear_type_error():
