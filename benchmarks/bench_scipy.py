@@ -435,9 +435,9 @@ def _sciflat_jitted(net, t):
     """The compiled value-and-gradient that sciflat calls (for the overhead split)."""
     from sciflat import _scipy, _scipy_problem as sp
 
-    _, re = sciflat.destructure(net, dtype=jnp.float64)
-    _, rebuild = sp.split_args((t,))
-    return sp.jitted("value_and_grad", _scipy._build, pinn_loss, re, rebuild, "reverse")
+    p, re = sciflat.destructure(net, dtype=jnp.float64)
+    programs = sp.Programs(_scipy._build, pinn_loss, re, (t,))
+    return programs.get("value_and_grad", "reverse", np.asarray(p))
 
 
 if __name__ == "__main__":

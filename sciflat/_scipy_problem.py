@@ -9,6 +9,7 @@ from typing import Any, Literal, ParamSpec, TypeVar
 
 import equinox as eqx
 import jax
+import jax.core  # `jax.core.Tracer`: imported explicitly so type checkers see it
 import jax.numpy as jnp
 import numpy as np
 
@@ -70,7 +71,7 @@ def start(model, x0, filter_spec, who: str) -> tuple[np.ndarray, Restructure]:
                 "use `sciflat.destructure(model, dtype=jnp.float64)`."
             )
     else:
-        p, re = destructure(model, filter_spec, dtype=jnp.float64)
+        p, re = _destructured(model, filter_spec)
         x0 = p if x0 is None else x0
     x0 = as_flat_vector(x0, len(re), f"`{who}` (`x0`)")
     if len(re) == 0:
@@ -81,6 +82,34 @@ def start(model, x0, filter_spec, who: str) -> tuple[np.ndarray, Restructure]:
         bad = ", ".join(f"`{q}`" for q in nonfinite_paths(x0, re))
         raise ValueError(f"`{who}`: the starting point is not finite in {bad}.")
     return x0, re
+
+
+# The same start model fitted to many datasets is flattened once.
+_MODELS: OrderedDict[Hashable, tuple[np.ndarray, Restructure]] = OrderedDict()
+
+
+def _destructured(model, filter_spec) -> tuple[np.ndarray, Restructure]:
+    """`destructure(model, filter_spec, dtype=jnp.float64)`, `p` on the host, reused
+    for the same model: the same structure and the very same leaf objects. A NumPy
+    leaf (which may be changed in place) or a `filter_spec` other than a bool is
+    never reused."""
+    leaves, treedef = jax.tree.flatten(model)
+    mutable = any(isinstance(x, np.ndarray | jax.core.Tracer) for x in leaves)
+    if mutable or not isinstance(filter_spec, bool):
+        p, re = destructure(model, filter_spec, dtype=jnp.float64)
+        return np.asarray(p), re
+    key = (treedef, filter_spec, tuple(Same(x) for x in leaves))
+    try:
+        hit = _MODELS.get(key)
+    except TypeError:  # an unhashable static field
+        p, re = destructure(model, filter_spec, dtype=jnp.float64)
+        return np.asarray(p), re
+    if hit is None:
+        p, re = destructure(model, filter_spec, dtype=jnp.float64)
+        hit = _MODELS[key] = (np.asarray(p), re)
+        while len(_MODELS) > 8:
+            _MODELS.popitem(last=False)
+    return hit
 
 
 _P = ParamSpec("_P")

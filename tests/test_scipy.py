@@ -331,6 +331,28 @@ def test_function_key_falls_back_to_identity_for_what_may_change():
     assert identity_key(wrap(quad_loss)) != identity_key(wrap(tied_loss))
 
 
+def test_the_same_start_model_is_flattened_once_unless_it_can_change(monkeypatch):
+    calls = []
+    real = sp.destructure
+    monkeypatch.setattr(
+        sp, "destructure", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    seen = _spy(monkeypatch, "minimize")
+    loss = lambda m: jnp.sum((m["w"] - 1.0) ** 2)
+    fit = lambda model: sciflat.minimize(loss, model, progress=False)
+    model = {"w": jnp.asarray([3.0, 4.0])}
+    fit(model)
+    fit(model)
+    assert len(calls) == 1 and seen["x0"].tolist() == [3.0, 4.0]
+    fit({"w": jnp.asarray([3.0, 4.0])})  # equal values, other arrays: flattened
+    assert len(calls) == 2
+    mutable = {"w": np.asarray([3.0, 4.0])}
+    fit(mutable)
+    mutable["w"][0] = -2.0  # changed in place: the new start is used
+    fit(mutable)
+    assert len(calls) == 4 and seen["x0"].tolist() == [-2.0, 4.0]
+
+
 def test_data_after_the_model_is_a_clear_type_error():
     with pytest.raises(TypeError, match=r"as `args=\(...\)`.*got 1 positional"):
         sciflat.minimize(quad_loss, quad_model(), C, progress=False)  # pyright: ignore
