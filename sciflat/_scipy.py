@@ -110,9 +110,10 @@ def minimize(
     - `callback`: `callback(step, loss, model)` after every iteration; a true return
         value stops the fit (status `"converged"`, `result.model` that iterate).
     - `progress`: show a progress bar with the iteration and loss.
-    - `blas_threads`: BLAS threads for SciPy's own linear algebra during the fit;
-        `"auto"` uses one below 10**7 parameters (threads slow small problems down
-        many times over), `None` leaves them alone.
+    - `blas_threads`: OpenBLAS threads during the fit (SciPy's own linear algebra,
+        and `jnp.linalg` in the loss, which runs on SciPy's LAPACK); `"auto"` uses one
+        below 10**7 parameters (threads slow small problems down many times over),
+        `None` leaves them alone, an int sets them.
     - `tol`, `options`, `**kwargs`: passed to `scipy.optimize.minimize`.
 
     **Returns:**

@@ -39,8 +39,10 @@ def blas_threads_limit(blas_threads: BlasThreads, size: int):
 
     On small problems OpenBLAS's threads cost far more than they save: on a shared
     2-core machine one L-BFGS-B step (`setulb`, 4 parameters) took ~10 ms with the
-    default threads and ~40 µs with one. JAX's computations are not affected (XLA has
-    its own thread pool). `"auto"`: one thread while `size` <= 10**7.
+    default threads and ~40 µs with one. The limit also reaches the loss where JAX
+    calls LAPACK (jaxlib's CPU `jnp.linalg` kernels are SciPy's OpenBLAS; XLA's own
+    kernels have their own pool): kept on purpose, see docs/scipy.md ("BLAS threads")
+    for the measurement. `"auto"`: one thread while `size` <= 10**7.
     """
     if blas_threads == "auto":
         blas_threads = 1 if size <= 10**7 else None
