@@ -123,8 +123,8 @@ def lotka_volterra(repeats: int) -> None:
     def ours(loss, mode="auto"):
         def run():
             return sciflat.minimize(
-                loss, LotkaVolterra(jnp.asarray(start)), data, bounds={"rates": (0.0, None)},
-                mode=mode, progress=False,
+                loss, LotkaVolterra(jnp.asarray(start)), args=(data,),
+                bounds={"rates": (0.0, None)}, mode=mode, progress=False,
             )  # fmt: skip
 
         return run
@@ -134,8 +134,13 @@ def lotka_volterra(repeats: int) -> None:
         "hand, reverse, 1 BLAS thread": one_blas_thread(hand),
         "SciPy finite differences (jitted loss)": finite_differences,
         "finite differences, 1 BLAS thread": one_blas_thread(finite_differences),
-        "sciflat.minimize, auto (forward)": ours(lv_forward_loss),
-        "sciflat.minimize, mode='reverse'": ours(lv_loss, "reverse"),
+        "sciflat.minimize, `ForwardMode()` adjoint, auto (forward)": ours(
+            lv_forward_loss
+        ),
+        "sciflat.minimize, default adjoint, auto (reverse)": ours(lv_loss),
+        "sciflat.minimize, default adjoint, new lambda per fit": lambda: ours(
+            lambda m, d: lv_loss(m, d)
+        )(),
     }
     if jaxopt is not None:
         solver = jaxopt.ScipyBoundedMinimize(fun=plain, method="L-BFGS-B")
@@ -158,11 +163,16 @@ def lotka_volterra(repeats: int) -> None:
 
 
 def one_blas_thread(fn):
-    """What sciflat does by default (`blas_threads="auto"`), applied to a baseline."""
-    from threadpoolctl import threadpool_limits
+    """What sciflat does by default (`blas_threads="auto"`), applied to a baseline.
+
+    With one `ThreadpoolController` made once: `threadpool_limits(...)` scans the
+    loaded libraries every time, which alone costs milliseconds."""
+    from threadpoolctl import ThreadpoolController
+
+    controller = ThreadpoolController()
 
     def run():
-        with threadpool_limits(limits=1, user_api="blas"):
+        with controller.limit(limits=1, user_api="blas"):
             return fn()
 
     return run
@@ -224,11 +234,19 @@ def pinn(repeats: int, iters: int) -> None:
     hand = lambda: scipy.optimize.minimize(
         hand_fun, np.asarray(flat), jac=True, method="L-BFGS-B", options=options
     )
-    ours = lambda: sciflat.minimize(pinn_loss, net, t, progress=False, options=options)
+    ours = lambda: sciflat.minimize(
+        pinn_loss, net, args=(t,), progress=False, options=options
+    )
+    # As in the docstring example: a `lambda` written in the call, so new every fit.
+    new_lambda = lambda: sciflat.minimize(
+        lambda net, t: pinn_loss(net, t), net, args=(t,), progress=False,
+        options=options,
+    )  # fmt: skip
     fits = {
         "hand jit(value_and_grad)": hand,
         "hand, 1 BLAS thread": one_blas_thread(hand),
         "sciflat.minimize (reverse)": ours,
+        "sciflat.minimize, new lambda per fit": new_lambda,
     }
     if jaxopt is not None:
         solver = jaxopt.ScipyMinimize(
@@ -242,7 +260,9 @@ def pinn(repeats: int, iters: int) -> None:
     # Per call: each wrapper's `fun(x)` and its jitted call alone, at the same x.
     short = {"maxiter": 1}
     ours_fun = capture_fun(
-        lambda: sciflat.minimize(pinn_loss, net, t, progress=False, options=short)
+        lambda: sciflat.minimize(
+            pinn_loss, net, args=(t,), progress=False, options=short
+        )
     )["fun"]
     x = np.asarray(flat)
     x_dev = jnp.asarray(x)
@@ -297,6 +317,109 @@ def pinn(repeats: int, iters: int) -> None:
         )
 
 
+#
+# 3. NIST StRD: per-fit time of small least-squares problems
+#
+
+NIST = "../shared/data/nist_strd"
+NIST_MODELS = {  # NIST's formulas, on a dict of parameters
+    "Misra1a": lambda b, x: b["b1"] * (1 - jnp.exp(-b["b2"] * x)),
+    "Chwirut2": lambda b, x: jnp.exp(-b["b1"] * x) / (b["b2"] + b["b3"] * x),
+    "DanWood": lambda b, x: b["b1"] * x ** b["b2"],
+}
+
+
+def read_nist(path: str) -> tuple[dict, dict, np.ndarray, np.ndarray]:
+    """Start 1, the certified values, x and y of an StRD file."""
+    lines = open(path).read().splitlines()
+    start, certified = {}, {}
+    for line in lines:
+        words = line.split()
+        if len(words) == 6 and words[1] == "=" and words[0].startswith("b"):
+            start[words[0]], certified[words[0]] = float(words[2]), float(words[4])
+    first = next(
+        i for i, line in enumerate(lines) if line.split()[:3] == ["Data:", "y", "x"]
+    )
+    data = np.array(
+        [
+            [float(v) for v in line.split()]
+            for line in lines[first + 1 :]
+            if line.strip()
+        ]
+    )
+    return start, certified, data[:, 1], data[:, 0]
+
+
+def nist(repeats: int, folder: str) -> None:
+    print("\n### NIST StRD, Start 1: one whole fit (compiled; median ms)\n")
+    print(
+        "| problem | hand `trf` | sciflat `trf` | lmfit `least_squares` (trf) | hand `lm` "
+        "| sciflat `lm` | lmfit `leastsq` (lm) | sciflat / lmfit, trf | lm | digits "
+        "(sciflat trf, lmfit leastsq) |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    for name in NIST_MODELS:
+        nist_problem(name, f"{folder}/{name}.dat", repeats)
+
+
+def nist_problem(name: str, path: str, repeats: int) -> None:
+    import lmfit
+
+    f, f_np = NIST_MODELS[name], NIST_NUMPY[name]
+    start, certified, x, y = read_nist(path)
+    names = sorted(start)
+    b0 = np.array([start[k] for k in names])
+    plain = lambda b, x, y: f(dict(zip(names, b, strict=True)), x) - y
+    r_jit, j_jit = jax.jit(plain), jax.jit(jax.jacfwd(plain))
+    xj, yj = jnp.asarray(x), jnp.asarray(y)
+    model = {k: jnp.asarray(v) for k, v in start.items()}
+    params = lmfit.Parameters()
+    for k in names:
+        params.add(k, start[k])
+
+    def hand(method):
+        fun = lambda b: np.asarray(r_jit(b, xj, yj))
+        jac = lambda b: np.asarray(j_jit(b, xj, yj))
+        return lambda: scipy.optimize.least_squares(fun, b0, jac=jac, method=method)
+
+    def ours(method):
+        return lambda: sciflat.least_squares(
+            lambda m, x, y: f(m, x) - y, model, args=(xj, yj), method=method,
+            progress=False,
+        )  # fmt: skip
+
+    def lm(method):
+        fn = lambda p, x, y: f_np(p.valuesdict(), x) - y
+        return lambda: lmfit.minimize(fn, params, args=(x, y), method=method)
+
+    variants = {
+        "hand trf": hand("trf"), "sciflat trf": ours("trf"),
+        "lmfit least_squares": lm("least_squares"),
+        "hand lm": hand("lm"), "sciflat lm": ours("lm"), "lmfit leastsq": lm("leastsq"),
+    }  # fmt: skip
+    results = {k: fn() for k, fn in variants.items()}
+    ms = {k: v * 1e3 for k, v in interleaved(variants, repeats).items()}
+    cert = np.array([certified[k] for k in names])
+    lre = lambda b: np.min(-np.log10(np.abs(b - cert) / np.abs(cert)))
+    ours_b = np.array([float(results["sciflat trf"].model[k]) for k in names])
+    lm_b = np.array([results["lmfit leastsq"].params[k].value for k in names])
+    cells = [f"{ms[k]:.2f}" for k in variants]
+    trf = ms["sciflat trf"] / ms["lmfit least_squares"]
+    lm_ratio = ms["sciflat lm"] / ms["lmfit leastsq"]
+    print(
+        f"| {name} | {' | '.join(cells)} | {trf:.2f}× | {lm_ratio:.2f}× | "
+        f"{lre(ours_b):.1f}, {lre(lm_b):.1f} |"
+    )
+
+
+# lmfit works on NumPy: the same formulas in NumPy.
+NIST_NUMPY = {
+    "Misra1a": lambda b, x: b["b1"] * (1 - np.exp(-b["b2"] * x)),
+    "Chwirut2": lambda b, x: np.exp(-b["b1"] * x) / (b["b2"] + b["b3"] * x),
+    "DanWood": lambda b, x: b["b1"] * x ** b["b2"],
+}
+
+
 def per_call_seconds(calls: dict, rounds: int, number: int = 100) -> dict:
     """Seconds per call: in each round, the best of 3 loops of `number` calls per
     variant (interleaved); the median over rounds. The best-of filters out the other
@@ -312,16 +435,18 @@ def _sciflat_jitted(net, t):
     """The compiled value-and-gradient that sciflat calls (for the overhead split)."""
     from sciflat import _scipy, _scipy_problem as sp
 
-    _, re = sciflat.destructure(net, dtype=jnp.float64)
-    _, rebuild = sp.split_args((t,))
-    return sp.jitted("value_and_grad", _scipy._build, pinn_loss, re, rebuild, "reverse")
+    p, re = sciflat.destructure(net, dtype=jnp.float64)
+    programs = sp.Programs(_scipy._build, pinn_loss, re, (t,))
+    return programs.get("value_and_grad", "reverse", np.asarray(p))
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--pinn-iters", type=int, default=500)
-    parser.add_argument("--only", choices=["lv", "pinn"], default=None)
+    parser.add_argument("--nist-repeats", type=int, default=40)
+    parser.add_argument("--nist", default=NIST, help="folder of the StRD .dat files")
+    parser.add_argument("--only", choices=["lv", "pinn", "nist"], default=None)
     args = parser.parse_args()
     print(
         f"jax {jax.__version__}, scipy {scipy.__version__}, jaxopt: {jaxopt is not None}"
@@ -330,3 +455,5 @@ if __name__ == "__main__":
         lotka_volterra(args.repeats)
     if args.only in (None, "pinn"):
         pinn(args.repeats, args.pinn_iters)
+    if args.only in (None, "nist"):
+        nist(args.nist_repeats, args.nist)

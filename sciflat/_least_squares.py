@@ -16,7 +16,7 @@ from ._scipy_bounds import flat_bounds
 
 _M = TypeVar("_M")
 _METHODS = ("trf", "dogbox", "lm")
-_OURS = ("fun", "x0", "jac", "args", "kwargs", "callback")
+_OURS = ("fun", "x0", "jac", "kwargs")
 
 
 def _status(res) -> Status:
@@ -25,16 +25,18 @@ def _status(res) -> Status:
     return "max_steps" if res.status == 0 else "failed"
 
 
+@sp.data_by_keyword
 def least_squares(
     residuals: Callable[..., Float[Array, "..."]],
     model: _M,
-    *args: Any,
+    *,
+    args: tuple = (),
     method: str = "trf",
     bounds: Mapping | tuple | None = None,
     mode: sp.Mode = "auto",
     x0: Float[Array, " n"] | None = None,
     filter_spec: PyTree = True,
-    callback: Callable[[_M, float], None] | None = None,
+    callback: Callable[[int, float, _M], Any] | None = None,
     progress: bool = True,
     blas_threads: sp.BlasThreads = "auto",
     **kwargs: Any,
@@ -51,18 +53,19 @@ def least_squares(
     !!! Example
 
         ```python
-        result = sciflat.least_squares(lambda m, t, y: m(t) - y, model, t, y,
+        result = sciflat.least_squares(lambda m, t, y: m(t) - y, model, args=(t, y),
                                        bounds={"rates": (0.0, None)})
         ```
 
     **Arguments:**
 
     - `residuals`: `residuals(model, *args) -> array` (any shape; flattened).
-    - `model`, `*args`, `bounds`, `mode`, `x0`, `filter_spec`, `progress`,
+    - `model`, `args`, `bounds`, `mode`, `x0`, `filter_spec`, `progress`,
         `blas_threads` (here: one thread below 10**7 Jacobian entries): as in
         [`sciflat.minimize`][].
     - `method`: `"trf"`, `"dogbox"` or `"lm"` (no bounds).
-    - `callback`: `callback(model, cost)` after every iteration (every Jacobian).
+    - `callback`: `callback(step, cost, model)` after every iteration (every
+        Jacobian); a true return value stops the fit, as in [`sciflat.minimize`][].
     - `**kwargs`: passed to `scipy.optimize.least_squares` (`ftol`, `x_scale`,
         `loss`, `max_nfev`, ...).
 
@@ -78,15 +81,12 @@ def least_squares(
         raise ValueError("`method='lm'` does not take bounds; use 'trf' or 'dogbox'.")
     start, re = sp.start(model, x0, filter_spec, "least_squares")
     lb_ub = flat_bounds(bounds, re, start)
-    leaves, rebuild = sp.split_args(args)
-
-    get = lambda kind, mode: sp.jitted(kind, _build, residuals, re, rebuild, mode)
-    res_fn = get("residuals", "none")
-    m = jax.eval_shape(res_fn, start, leaves).shape[0]
+    programs = sp.Programs(_build, residuals, re, sp.check_args(args, "least_squares"))
+    leaves = programs.leaves
+    res_fn = programs.get("residuals", "none", start)
+    m = res_fn.out_info.shape[0]
     modes = sp.choose_modes(mode, len(re) <= m)
-    jac_fn, used = sp.compile_first_working(
-        modes, lambda m: get("jacobian", m), (start, leaves)
-    )
+    jac_fn, used = programs.first_working("jacobian", modes, start)
     limit = sp.blas_threads_limit(blas_threads, len(re) * m)
     tracker = sp.Tracker(re, callback, progress, f"least_squares ({method})")
 

@@ -30,7 +30,7 @@ _BOUNDED = {
     "cobyqa",
 }
 _METHODS = _GRADIENT_FREE | _HESSP | _HESS | _BOUNDED | {"cg", "bfgs"}
-_OURS = ("fun", "x0", "jac", "hess", "hessp", "args")
+_OURS = ("fun", "x0", "jac", "hess", "hessp")
 
 
 def _check_method(method: str, bounds) -> str:
@@ -52,16 +52,18 @@ def _status(res) -> Status:
     return "failed"
 
 
+@sp.data_by_keyword
 def minimize(
     loss: Callable[..., Scalar],
     model: _M,
-    *args: Any,
+    *,
+    args: tuple = (),
     method: str = "L-BFGS-B",
     bounds: Mapping | tuple | None = None,
     mode: sp.Mode = "auto",
     x0: Float[Array, " n"] | None = None,
     filter_spec: PyTree = True,
-    callback: Callable[[_M, float], None] | None = None,
+    callback: Callable[[int, float, _M], Any] | None = None,
     progress: bool = True,
     blas_threads: sp.BlasThreads = "auto",
     tol: float | None = None,
@@ -85,8 +87,8 @@ def minimize(
     !!! Example
 
         ```python
-        result = sciflat.minimize(lambda m, x, y: jnp.mean((m(x) - y) ** 2), model, x, y,
-                                  bounds={(lambda m: m.rates): (0.0, None)})
+        result = sciflat.minimize(lambda m, x, y: jnp.mean((m(x) - y) ** 2), model,
+                                  args=(x, y), bounds={(lambda m: m.rates): (0.0, None)})
         result.model, result.loss, result.raw  # fitted model, loss, SciPy's result
         ```
 
@@ -94,8 +96,10 @@ def minimize(
 
     - `loss`: `loss(model, *args) -> scalar`.
     - `model`: the starting model (or a float64 `Restructure`, with `x0`).
-    - `*args`: data for `loss`; array leaves are passed to the compiled call, the rest
-        is static.
+    - `args`: a tuple of the further arguments of `loss` (the data), as in
+        `scipy.optimize.minimize` and [`sciflat.fit`][]; array leaves are arguments of
+        the compiled call (new data of the same shapes compiles nothing), the rest is
+        static.
     - `method`: any method of `scipy.optimize.minimize`.
     - `bounds`: per leaf: a dict `{where: (lower, upper)}` (`where` a path as in
         `re.paths` or `lambda m: m.leaf`; each side None, a number or an array of the
@@ -103,11 +107,13 @@ def minimize(
     - `mode`: `"auto"`, `"forward"` or `"reverse"`: how the gradient is computed.
     - `x0`: start from this flat vector instead of the model's parameters.
     - `filter_spec`: which leaves are trainable, as in `sciflat.destructure`.
-    - `callback`: `callback(model, loss)` after every iteration.
+    - `callback`: `callback(step, loss, model)` after every iteration; a true return
+        value stops the fit (status `"converged"`, `result.model` that iterate).
     - `progress`: show a progress bar with the iteration and loss.
-    - `blas_threads`: BLAS threads for SciPy's own linear algebra during the fit;
-        `"auto"` uses one below 10**7 parameters (threads slow small problems down
-        many times over), `None` leaves them alone.
+    - `blas_threads`: OpenBLAS threads during the fit (SciPy's own linear algebra,
+        and `jnp.linalg` in the loss, which runs on SciPy's LAPACK); `"auto"` uses one
+        below 10**7 parameters (threads slow small problems down many times over),
+        `None` leaves them alone, an int sets them.
     - `tol`, `options`, `**kwargs`: passed to `scipy.optimize.minimize`.
 
     **Returns:**
@@ -117,14 +123,13 @@ def minimize(
     if clash := [k for k in _OURS if k in kwargs]:
         raise TypeError(f"`minimize` computes {clash} itself; do not pass them.")
     name = _check_method(method, bounds)
+    args = sp.check_args(args, "minimize")
     start, re = sp.start(model, x0, filter_spec, "minimize")
     scipy_bounds = flat_bounds(bounds, re, start)
-    leaves, rebuild = sp.split_args(args)
+    programs = sp.Programs(_build, loss, re, args)
     limit = sp.blas_threads_limit(blas_threads, len(re))
     tracker = sp.Tracker(re, callback, progress, f"minimize ({method})")
-    fun, used, extra = _objective(
-        (loss, re, rebuild), name, mode, start, leaves, tracker
-    )
+    fun, used, extra = _objective(programs, re, name, mode, start, tracker)
 
     def call():
         with limit:
@@ -169,19 +174,15 @@ def _build(kind: str, loss, re, rebuild, mode: str) -> Callable:
     return lambda x, leaves: jax.jacfwd(lambda x: grad(x, leaves))(x)
 
 
-def _objective(problem, name: str, mode, x0, leaves, tracker: sp.Tracker):
+def _objective(programs: sp.Programs, re, name: str, mode, x0, tracker: sp.Tracker):
     """SciPy's `fun` (and `hess`/`hessp`), compiled once, and the gradient mode."""
-    re = problem[1]
-    get = lambda kind, mode: sp.jitted(kind, _build, *problem, mode)
-    example = (x0, leaves)
+    leaves = programs.leaves
     if name in _GRADIENT_FREE:
-        value_only = _value_only(get("value", "none"), example, tracker, re)
-        return value_only, "none, gradient-free method", {}
+        value = programs.get("value", "none", x0)
+        return _value_only(value, leaves, tracker, re), "none, gradient-free method", {}
 
     modes = sp.choose_modes(mode, len(re) <= sp.FORWARD_MAX_PARAMS)
-    both, used = sp.compile_first_working(
-        modes, lambda m: get("value_and_grad", m), example
-    )
+    both, used = programs.first_working("value_and_grad", modes, x0)
 
     def fun(x):
         out = np.asarray(both(x, leaves))
@@ -199,21 +200,18 @@ def _objective(problem, name: str, mode, x0, leaves, tracker: sp.Tracker):
 
     extra: dict[str, Any] = {"jac": True}
     if name in _HESSP:
-        hvp = get("hessp", used)
+        hvp = programs.get("hessp", used, x0, x0)
         # trust-constr may hand over an integer `v`; ints are exact in float64.
         extra["hessp"] = lambda x, v: np.asarray(
             hvp(x, np.asarray(v, np.float64), leaves)
         )
     elif name in _HESS:
-        hess = get("hess", used)
+        hess = programs.get("hess", used, x0)
         extra["hess"] = lambda x: np.asarray(hess(x, leaves))
     return fun, f"{used} mode", extra
 
 
-def _value_only(value, example, tracker: sp.Tracker, re):
-    value.lower(*example)
-    leaves = example[1]
-
+def _value_only(value, leaves, tracker: sp.Tracker, re):
     def fun(x):
         v = np.asarray(value(x, leaves))
         if not np.isfinite(v):

@@ -3,16 +3,19 @@ SciPy call, bookkeeping of the best point, and stopping cleanly."""
 
 import contextlib
 import functools as ft
-from collections.abc import Callable
-from typing import Any, Literal
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import Any, Literal, ParamSpec, TypeVar
 
 import equinox as eqx
 import jax
+import jax.core  # `jax.core.Tracer`: imported explicitly so type checkers see it
 import jax.numpy as jnp
 import numpy as np
 
 from ._dtypes import X64_FIX, x64_enabled
 from ._flatten import Restructure, destructure
+from ._fn_key import Same, function_key, identity_key
 from ._layout import names as _names, nonfinite_paths
 from ._progress import progress_bar
 from ._validate import as_flat_vector
@@ -37,8 +40,10 @@ def blas_threads_limit(blas_threads: BlasThreads, size: int):
 
     On small problems OpenBLAS's threads cost far more than they save: on a shared
     2-core machine one L-BFGS-B step (`setulb`, 4 parameters) took ~10 ms with the
-    default threads and ~40 µs with one. JAX's computations are not affected (XLA has
-    its own thread pool). `"auto"`: one thread while `size` <= 10**7.
+    default threads and ~40 µs with one. The limit also reaches the loss where JAX
+    calls LAPACK (jaxlib's CPU `jnp.linalg` kernels are SciPy's OpenBLAS; XLA's own
+    kernels have their own pool): kept on purpose, see docs/scipy.md ("BLAS threads")
+    for the measurement. `"auto"`: one thread while `size` <= 10**7.
     """
     if blas_threads == "auto":
         blas_threads = 1 if size <= 10**7 else None
@@ -69,7 +74,7 @@ def start(model, x0, filter_spec, who: str) -> tuple[np.ndarray, Restructure]:
                 "use `sciflat.destructure(model, dtype=jnp.float64)`."
             )
     else:
-        p, re = destructure(model, filter_spec, dtype=jnp.float64)
+        p, re = _destructured(model, filter_spec)
         x0 = p if x0 is None else x0
     x0 = as_flat_vector(x0, len(re), f"`{who}` (`x0`)")
     if len(re) == 0:
@@ -80,6 +85,66 @@ def start(model, x0, filter_spec, who: str) -> tuple[np.ndarray, Restructure]:
         bad = ", ".join(f"`{q}`" for q in nonfinite_paths(x0, re))
         raise ValueError(f"`{who}`: the starting point is not finite in {bad}.")
     return x0, re
+
+
+# The same start model fitted to many datasets is flattened once.
+_MODELS: OrderedDict[Hashable, tuple[np.ndarray, Restructure]] = OrderedDict()
+
+
+def _destructured(model, filter_spec) -> tuple[np.ndarray, Restructure]:
+    """`destructure(model, filter_spec, dtype=jnp.float64)`, `p` on the host, reused
+    for the same model: the same structure and the very same leaf objects. A NumPy
+    leaf (which may be changed in place) or a `filter_spec` other than a bool is
+    never reused."""
+    leaves, treedef = jax.tree.flatten(model)
+    mutable = any(isinstance(x, np.ndarray | jax.core.Tracer) for x in leaves)
+    if mutable or not isinstance(filter_spec, bool):
+        p, re = destructure(model, filter_spec, dtype=jnp.float64)
+        return np.asarray(p), re
+    key = (treedef, filter_spec, tuple(Same(x) for x in leaves))
+    try:
+        hit = _MODELS.get(key)
+    except TypeError:  # an unhashable static field
+        p, re = destructure(model, filter_spec, dtype=jnp.float64)
+        return np.asarray(p), re
+    if hit is None:
+        p, re = destructure(model, filter_spec, dtype=jnp.float64)
+        hit = _MODELS[key] = (np.asarray(p), re)
+        while len(_MODELS) > 8:
+            _MODELS.popitem(last=False)
+    return hit
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def data_by_keyword(fit: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Turn data passed after the model (the old `*args`) into a clear error."""
+    who = fit.__name__
+
+    @ft.wraps(fit)
+    def checked(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        if len(args) > 2:
+            n = len(args) - 2
+            raise TypeError(
+                f"`{who}` takes the data of the loss as `args=(...)`, a tuple (as "
+                f"`scipy.optimize.{who}` and `sciflat.fit` do), but got {n} positional "
+                f"argument{'s' * (n > 1)} after `model`: write "
+                f"`sciflat.{who}(loss, model, args=(x, y), ...)`."
+            )
+        return fit(*args, **kwargs)
+
+    return checked
+
+
+def check_args(args, who: str) -> tuple:
+    if not isinstance(args, tuple | list):
+        raise TypeError(
+            f"`{who}`: `args` must be a tuple of the further arguments of the loss, "
+            f"e.g. `args=(x, y)` or `args=(x,)`; got {type(args).__name__}."
+        )
+    return tuple(args)
 
 
 class NonFinite(Exception):
@@ -116,21 +181,119 @@ class _Rebuild:
         return isinstance(other, _Rebuild) and self._key == other._key
 
 
-# Compiled functions per (what, loss, re, args structure, mode): a second fit of the
-# same problem (new data, new start) compiles nothing.
+#
+# Compiled functions, cached across fits
+#
+
+# Keyed by everything that can change what a trace produces (the loss by
+# `function_key`, `re`, the static part and the shapes/dtypes of the data, JAX's
+# trace-time configuration), so a second fit of the same problem (new data of the same
+# shapes, new start, new `lambda` with the same code and closure) traces nothing.
+# Ahead-of-time compiled: a call with other shapes is an error, never a retrace of a
+# stale function.
+_CACHE: OrderedDict[Hashable, Any] = OrderedDict()
+CACHE_SIZE = 64
+
+
+class _Failed:
+    """A gradient mode that failed to trace while another one worked."""
+
+
+def _config_key() -> Hashable:
+    # x64 and the matmul precision explicitly (documented); JAX's own jit key for the rest.
+    try:
+        from jax._src.config import trace_context
+
+        rest = trace_context()
+    except Exception:  # a JAX without it: the two that matter most
+        rest = ()
+    # Context-manager flags are read as attributes (`jax.config.read` refuses them).
+    flags = ("jax_enable_x64", "jax_default_matmul_precision")
+    return (*(getattr(jax.config, f) for f in flags), rest)
+
+
+def _signature(example) -> Hashable:
+    def one(x):
+        aval = jax.typeof(x)
+        return (aval.shape, aval.dtype, aval.weak_type, getattr(x, "sharding", None))
+
+    return tuple(one(x) for x in jax.tree.leaves(example))
+
+
+class Programs:
+    """The compiled functions of one fit, looked up in (or added to) the cache.
+
+    The loss is looked up first by identity (the same function object is reused, as
+    by `jax.jit`), then by `function_key` (a new `lambda` with the same code and
+    equal closure and globals)."""
+
+    def __init__(self, build: Callable, loss: Callable, re: Restructure, args: tuple):
+        self.leaves, rebuild = split_args(args)
+        self._parts = (build, loss, re, rebuild)
+        self._rest = (build, re, rebuild, _config_key())
+        self._by_value: Hashable | None = None
+
+    def _lookup(self, kind: str, mode: str, example) -> tuple[Any, list]:
+        """The cached entry (or None) and the keys to store a new one under."""
+        loss = self._parts[1]
+        where = (kind, mode, _signature((*example, self.leaves)), self._rest)
+        keys: list[Hashable] = [(*where, identity_key(loss))]
+        hit = _CACHE.get(keys[0])
+        if hit is None:
+            if self._by_value is None:
+                self._by_value = function_key(loss)
+            if self._by_value != Same(loss):  # keyable by value
+                keys.append((*where, self._by_value))
+                hit = _CACHE.get(keys[-1])
+        if hit is not None:
+            _CACHE.move_to_end(keys[-1])
+        return hit, keys
+
+    def get(self, kind: str, mode: str, *example) -> Any:
+        """The compiled `kind` function; `example`: its arguments but the data."""
+        hit, keys = self._lookup(kind, mode, example)
+        if hit is None or isinstance(hit, _Failed):
+            build, loss, re, rebuild = self._parts
+            fn = jax.jit(build(kind, loss, re, rebuild, mode))
+            hit = fn.lower(*example, self.leaves).compile()
+            for key in keys:
+                _remember(key, hit)
+        return hit
+
+    def first_working(self, kind: str, modes: list[str], *example) -> tuple[Any, str]:
+        """Compile with the preferred mode; on a trace-time error (e.g. forward mode
+        through `RecursiveCheckpointAdjoint`, reverse mode through `ForwardMode`) fall
+        back to the other one. A mode that failed is remembered (not traced again)
+        once another one worked. Returns (compiled function, mode used)."""
+        failed, errors = [], []
+        for mode in modes:
+            hit, keys = self._lookup(kind, mode, example)
+            if isinstance(hit, _Failed):
+                continue
+            try:
+                fn = hit if hit is not None else self.get(kind, mode, *example)
+            except (TypeError, ValueError) as e:
+                failed += keys
+                errors.append(e)
+                continue
+            for key in failed:
+                _remember(key, _Failed())
+            return fn, mode
+        raise errors[-1]
+
+
+def _remember(key, value) -> None:
+    _CACHE[key] = value
+    while len(_CACHE) > CACHE_SIZE:
+        _CACHE.popitem(last=False)
+
+
 def _with_aux(f):
     def f_and_value(x):
         value = f(x)
         return value, value
 
     return f_and_value
-
-
-@ft.lru_cache(maxsize=64)
-def jitted(
-    kind: str, build: Callable, user_fn: Callable, re, rebuild: _Rebuild, mode: str
-):
-    return jax.jit(build(kind, user_fn, re, rebuild, mode))
 
 
 def check_float64(out, what: str) -> None:
@@ -140,24 +303,6 @@ def check_float64(out, what: str) -> None:
             f"{what} has dtype {jnp.dtype(dtype).name}; the model computes in float64 "
             "here, so something in it casts. Find it with `sciflat.audit_dtypes`."
         )
-
-
-def compile_first_working(
-    modes: list[str], get: Callable[[str], Any], example
-) -> tuple:
-    """Compile with the preferred mode; on a trace-time error (e.g. forward mode
-    through `RecursiveCheckpointAdjoint`, reverse mode through `ForwardMode`) fall
-    back to the other one. Returns (jitted function, mode used)."""
-    errors = []
-    for mode in modes:
-        fn = get(mode)
-        try:
-            fn.lower(*example)  # traces now: a retrace never happens later
-        except (TypeError, ValueError) as e:
-            errors.append(e)
-            continue
-        return fn, mode
-    raise errors[-1]
 
 
 def choose_modes(mode: Mode, forward_first: bool) -> list[str]:
@@ -203,11 +348,18 @@ def nonfinite_message(
     return "; ".join(parts) + ". Stopped; `p` is the best finite point seen."
 
 
+class _Stop(Exception):
+    def __init__(self, step: int):
+        super().__init__(step)
+        self.step = step
+
+
 class Tracker:
     """The best point seen so far (for Ctrl-C) and the loss history per iteration."""
 
     def __init__(self, re: Restructure, callback, progress, desc: str):
         self.re, self.callback = re, callback
+        self.stopped_at: tuple[np.ndarray, float] = (np.empty(0), np.nan)
         self.best_x, self.best_f = None, np.inf
         self.last_x, self.last_f = None, np.nan
         self.n_calls, self.history = 0, []
@@ -223,8 +375,12 @@ class Tracker:
         self.history.append(f)
         self.bar.set_postfix(loss=f"{f:.6g}", refresh=False)
         self.bar.update(1)
-        if self.callback is not None:
-            self.callback(self.re(jnp.asarray(x)), f)
+        step = len(self.history)
+        if self.callback is not None and self.callback(
+            step, f, self.re(jnp.asarray(x))
+        ):
+            self.stopped_at = (x.copy(), f)
+            raise _Stop(step)
 
     def best(self, x0: np.ndarray) -> tuple[np.ndarray, float]:
         return (x0, np.inf) if self.best_x is None else (self.best_x, self.best_f)
@@ -244,6 +400,9 @@ def run(call: Callable[[], Any], tracker: Tracker, x0: np.ndarray) -> tuple:
         return None, "interrupted", message, *tracker.best(x0)
     except NonFinite as e:
         return None, "nonfinite", e.message, *tracker.best(x0)
+    except _Stop as e:
+        message = f"`callback` asked to stop after iteration {e.step}."
+        return None, "converged", message, *tracker.stopped_at
     finally:
         tracker.close()
     return res, None, str(res.message), res.x, None

@@ -219,7 +219,7 @@ def test_scipy_objective(name, monkeypatch):
 
     monkeypatch.setattr(scipy.optimize, "minimize", spy)
     result = sciflat.minimize(
-        loss, model, x, filter_spec=spec, options={"maxiter": 2}, progress=False
+        loss, model, args=(x,), filter_spec=spec, options={"maxiter": 2}, progress=False
     )
     value, grad = seen["out"]
     assert seen["x0"].dtype == F64 and np.asarray(value).dtype == F64
@@ -244,7 +244,7 @@ def test_scipy_least_squares(name, monkeypatch):
 
     monkeypatch.setattr(scipy.optimize, "least_squares", spy)
     result = sciflat.least_squares(
-        residuals, model, x, filter_spec=spec, max_nfev=2, progress=False
+        residuals, model, args=(x,), filter_spec=spec, max_nfev=2, progress=False
     )
     r, J = seen["r"], seen["J"]
     assert r.dtype == F64 and J.dtype == F64 and J.shape == (r.size, len(p))

@@ -5,10 +5,15 @@ small problems below compile a handful of times; the Lotka–Volterra fits share
 forward-mode solve.
 """
 
+import contextlib
+import struct
 import time
 
 import diffrax
 import equinox as eqx
+import hypothesis
+import hypothesis.extra.numpy as hnp
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +22,8 @@ import scipy.optimize
 
 import sciflat
 from helpers import Tied, float_dtypes_in_jaxpr
-from sciflat import _scipy
+from sciflat import _scipy, _scipy_problem as sp
+from sciflat._fn_key import function_key, identity_key
 
 
 class Quad(eqx.Module):
@@ -59,7 +65,7 @@ def test_every_method_finds_the_minimum(method):
     # trust-krylov, which stop with "precision loss" (CG) or step to NaN (trust-krylov).
     tol = None if method in ("CG", "trust-krylov") else 1e-10
     res = sciflat.minimize(
-        quad_loss, quad_model(), C, method=method, tol=tol, progress=False
+        quad_loss, quad_model(), args=(C,), method=method, tol=tol, progress=False
     )
     a, b = quad_minimum()
     assert res.status == "converged", res.message
@@ -113,7 +119,7 @@ def test_gradient_scipy_receives_equals_finite_differences(monkeypatch, mode):
     x = jnp.linspace(-1.0, 1.0, 8)[:, None]
     y = jnp.sin(x)
     seen = _spy(monkeypatch, "minimize")
-    res = sciflat.minimize(tied_loss, model, x, y, mode=mode, progress=False)
+    res = sciflat.minimize(tied_loss, model, args=(x, y), mode=mode, progress=False)
     assert mode in res.message
     fun, x0 = seen["fun"], seen["x0"]
     assert seen["jac"] is True and x0.dtype == np.float64 and x0.shape == (3,)
@@ -134,7 +140,9 @@ def _f64(x):
 
 def test_hessp_is_forward_over_reverse_hessian_vector_product(monkeypatch):
     seen = _spy(monkeypatch, "minimize")
-    sciflat.minimize(quad_loss, quad_model(), C, method="Newton-CG", progress=False)
+    sciflat.minimize(
+        quad_loss, quad_model(), args=(C,), method="Newton-CG", progress=False
+    )
     x0, v = seen["x0"], np.arange(1.0, 5.0)
     p, re = sciflat.destructure(quad_model(), dtype=jnp.float64)
     hessian = jax.hessian(lambda p: quad_loss(re(p), C))(p)
@@ -161,18 +169,228 @@ def test_compiled_once_and_reused_for_new_data():
         traces.append(1)
         return quad_loss(m, c)
 
-    r1 = sciflat.minimize(loss, quad_model(), C, mode="reverse", progress=False)
-    r2 = sciflat.minimize(loss, quad_model(), C + 1.0, mode="reverse", progress=False)
+    r1 = sciflat.minimize(loss, quad_model(), args=(C,), mode="reverse", progress=False)
+    r2 = sciflat.minimize(
+        loss, quad_model(), args=(C + 1.0,), mode="reverse", progress=False
+    )
     assert r1.raw.nfev > 3 and r2.raw.nfev > 3
     assert len(traces) == 1
     assert not np.allclose(r1.p, r2.p)
+
+
+# Every trace JAX makes, from its monitoring events: counts what sciflat traces
+# without putting a counter into the loss (whose closure is part of the cache key).
+_EVENTS: list[str] = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda name, _, **kw: _EVENTS.append(name)
+)
+
+
+@contextlib.contextmanager
+def count_traces():
+    start, seen = len(_EVENTS), []
+    yield seen
+    trace = "/jax/core/compile/jaxpr_trace_duration"
+    seen.extend(e for e in _EVENTS[start:] if e == trace)
+
+
+def test_second_fit_traces_nothing_for_either_fit():
+    fits = [
+        lambda y: sciflat.least_squares(exp_residuals, exp_model(), args=(T, y), progress=False),
+        lambda y: sciflat.minimize(
+            lambda m, t, y: jnp.sum(exp_residuals(m, t, y) ** 2), exp_model(),
+            args=(T, y), progress=False,
+        ),
+    ]  # fmt: skip
+    y2 = Y * 2.0
+    for fit in fits:
+        first = fit(Y)
+        # New data of the same shape, a new model object, a new `lambda`: no trace.
+        with count_traces() as traces:
+            second = fit(y2)
+        assert traces == []
+        assert first.status == second.status == "converged"
+        np.testing.assert_allclose(second.model["amp"], 6.0, rtol=1e-6)
+        np.testing.assert_allclose(first.model["amp"], 3.0, rtol=1e-6)
+        np.testing.assert_allclose(second.model["rate"], 1.3, rtol=1e-6)
+    # Data of another shape is another compilation.
+    t, y = T[:10], Y[:10]
+    with count_traces() as traces:
+        sciflat.least_squares(exp_residuals, exp_model(), args=(t, y), progress=False)
+    assert traces
+
+
+def test_new_lambdas_share_a_compilation_and_changed_values_do_not():
+    def fit(closed_over):
+        return sciflat.minimize(
+            lambda m: jnp.sum((m.a - closed_over) ** 2) + m.b**2, quad_model(),
+            progress=False,
+        )  # fmt: skip
+
+    target = np.asarray([1.0, 2.0, 3.0])
+    fit(target)
+    with count_traces() as traces:
+        res = fit(target)  # a new lambda, the same code and values: no trace
+    assert traces == []
+    np.testing.assert_allclose(res.model.a, target, atol=1e-6)
+    target[0] = -5.0  # mutated in place: a new key, and the new value is used
+    with count_traces() as traces:
+        res = fit(target)
+    assert traces
+    np.testing.assert_allclose(res.model.a, [-5.0, 2.0, 3.0], atol=1e-6)
+    # 1.0, 1 and float32(1.0) trace differently (weak types, dtypes): none shared.
+    for other in (1.0, 1, np.float32(1.0), -0.0, 0.0, jnp.asarray([1.0, 2.0, 3.0])):
+        with count_traces() as traces:
+            res = fit(other)
+        assert traces, other
+        np.testing.assert_allclose(res.model.a, jnp.broadcast_to(other, 3), atol=1e-6)
+
+
+def test_a_changed_global_is_seen_by_a_new_lambda():
+    global _SCALE
+    fit = lambda: sciflat.minimize(
+        lambda m: jnp.sum((m.a - _SCALE) ** 2) + m.b**2, quad_model(), progress=False
+    )
+    _SCALE = 1.0
+    np.testing.assert_allclose(fit().model.a, 1.0, atol=1e-6)
+    _SCALE = 2.0
+    np.testing.assert_allclose(fit().model.a, 2.0, atol=1e-6)
+
+
+_SCALE = 1.0
+
+
+def test_matmul_precision_is_part_of_the_key():
+    fit = lambda: sciflat.minimize(quad_loss, quad_model(), args=(C,), progress=False)
+    fit()
+    with count_traces() as traces, jax.default_matmul_precision("highest"):
+        fit()
+    assert traces  # not the default-precision compilation
+    with count_traces() as traces:
+        fit()
+        with jax.default_matmul_precision("highest"):
+            fit()
+    assert traces == []  # both are cached now
+
+
+def test_a_failed_mode_is_remembered(lv_data):
+    def loss(m, data):  # the default adjoint: forward mode fails, reverse works
+        sol = diffrax.diffeqsolve(
+            diffrax.ODETerm(m), diffrax.Tsit5(), 0.0, 1.0, 0.1, jnp.asarray([1.0, 1.0]),
+            saveat=diffrax.SaveAt(ts=TS[:6]),
+        )  # fmt: skip
+        return jnp.sum((sol.ys - data[:6]) ** 2)
+
+    fit = lambda: sciflat.minimize(
+        loss, START, args=(lv_data[0],), options={"maxiter": 2}, progress=False
+    )
+    assert "reverse" in fit().message
+    with count_traces() as traces:
+        assert "reverse" in fit().message
+    assert traces == []
+
+
+# Values a loss may close over, and when two of them must share a compilation: only
+# when they are the same type with the same bits (1, 1.0, True, -0.0, 0.0 differ).
+_VALUES = st.one_of(
+    st.floats(allow_nan=True, width=64),
+    st.integers(-3, 3),
+    st.booleans(),
+    hnp.arrays(st.sampled_from([np.float32, np.float64]), st.integers(0, 3)),
+)
+_CLOSED = st.one_of(_VALUES, st.tuples(_VALUES, _VALUES))
+
+
+def _bits(v):
+    if isinstance(v, tuple):
+        return (tuple, *map(_bits, v))
+    if isinstance(v, np.ndarray):
+        return (np.ndarray, v.dtype.str, v.shape, v.tobytes())
+    return (type(v), struct.pack("<d", v) if isinstance(v, float) else v)
+
+
+@hypothesis.settings(max_examples=200, deadline=None)
+@hypothesis.given(a=_CLOSED, b=_CLOSED)
+def test_function_key_is_equal_exactly_for_the_same_closed_over_values(a, b):
+    make = lambda value: lambda m: m + jnp.sum(jnp.asarray(value))
+    assert (function_key(make(a)) == function_key(make(b))) == (_bits(a) == _bits(b))
+    assert function_key(make(a)) == function_key(make(a))
+
+
+def test_function_key_falls_back_to_identity_for_what_may_change():
+    class Settings:  # a mutable object: its attributes may change between fits
+        scale = 1.0
+
+    settings = Settings()
+    f = lambda m: settings.scale * m
+    g = lambda m: settings.scale * m
+    assert function_key(f) == function_key(f) and function_key(f) != function_key(g)
+    # sciflat's own adapters, made anew per fit, around the same loss: equal.
+    wrap = lambda loss: sp.data_by_keyword(loss)
+    assert identity_key(wrap(quad_loss)) == identity_key(wrap(quad_loss))
+    assert identity_key(wrap(quad_loss)) != identity_key(wrap(tied_loss))
+
+
+def test_the_same_start_model_is_flattened_once_unless_it_can_change(monkeypatch):
+    calls = []
+    real = sp.destructure
+    monkeypatch.setattr(
+        sp, "destructure", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    seen = _spy(monkeypatch, "minimize")
+    loss = lambda m: jnp.sum((m["w"] - 1.0) ** 2)
+    fit = lambda model: sciflat.minimize(loss, model, progress=False)
+    model = {"w": jnp.asarray([3.0, 4.0])}
+    fit(model)
+    fit(model)
+    assert len(calls) == 1 and seen["x0"].tolist() == [3.0, 4.0]
+    fit({"w": jnp.asarray([3.0, 4.0])})  # equal values, other arrays: flattened
+    assert len(calls) == 2
+    mutable = {"w": np.asarray([3.0, 4.0])}
+    fit(mutable)
+    mutable["w"][0] = -2.0  # changed in place: the new start is used
+    fit(mutable)
+    assert len(calls) == 4 and seen["x0"].tolist() == [-2.0, 4.0]
+
+
+def test_data_after_the_model_is_a_clear_type_error():
+    with pytest.raises(TypeError, match=r"as `args=\(...\)`.*got 1 positional"):
+        sciflat.minimize(quad_loss, quad_model(), C, progress=False)  # pyright: ignore
+    with pytest.raises(TypeError, match=r"sciflat.least_squares\(loss, model, args="):
+        sciflat.least_squares(exp_residuals, exp_model(), T, Y)  # pyright: ignore
+    with pytest.raises(TypeError, match=r"`args` must be a tuple.*got ArrayImpl"):
+        sciflat.minimize(quad_loss, quad_model(), args=C)  # pyright: ignore
+
+
+@pytest.mark.parametrize("fit", ["minimize", "least_squares"])
+def test_callback_returning_true_stops_at_that_iterate(fit):
+    seen = []
+
+    def callback(step, loss, model):
+        seen.append((step, loss, model))
+        return step == 2
+
+    if fit == "minimize":
+        res = sciflat.minimize(
+            quad_loss, quad_model(), args=(C,), callback=callback, progress=False
+        )
+    else:
+        res = sciflat.least_squares(
+            lambda m, c: m.a**2 - c, quad_model(), args=(C,), callback=callback,
+            progress=False,
+        )  # fmt: skip
+    assert [s for s, _, _ in seen] == [1, 2]
+    assert res.status == "converged" and res.message.startswith("`callback` asked")
+    assert res.n_steps == 2 and list(res.history) == [v for _, v, _ in seen]
+    assert res.loss == seen[-1][1]
+    np.testing.assert_array_equal(res.model.a, seen[-1][2].a)
 
 
 def test_auto_mode_by_shape_and_fallback():
     # Few parameters: forward; many: reverse.
     assert (
         "forward"
-        in sciflat.minimize(quad_loss, quad_model(), C, progress=False).message
+        in sciflat.minimize(quad_loss, quad_model(), args=(C,), progress=False).message
     )
     big = {"w": jnp.zeros(40)}
     res = sciflat.minimize(lambda m: jnp.sum((m["w"] - 1.0) ** 2), big, progress=False)
@@ -186,7 +404,10 @@ def test_auto_mode_by_shape_and_fallback():
 
     sq.defvjp(lambda x: (x**2, x), lambda x, g: (2 * x * g,))
     res = sciflat.minimize(
-        lambda m, c: jnp.sum(sq(m.a - c)) + sq(m.b), quad_model(), C, progress=False
+        lambda m, c: jnp.sum(sq(m.a - c)) + sq(m.b),
+        quad_model(),
+        args=(C,),
+        progress=False,
     )
     assert "reverse" in res.message and res.status == "converged"
     np.testing.assert_allclose(res.model.a, C, atol=1e-6)
@@ -203,7 +424,7 @@ def test_auto_mode_by_shape_and_fallback():
 
 def _bounded(bounds, **kw):
     return sciflat.minimize(
-        quad_loss, quad_model(), C, bounds=bounds, progress=False, **kw
+        quad_loss, quad_model(), args=(C,), bounds=bounds, progress=False, **kw
     )
 
 
@@ -267,35 +488,43 @@ def test_x64_off_is_a_type_error_with_the_fix(x64_off):
     with pytest.raises(
         TypeError, match=r'(?s)64-bit mode is off.*jax_enable_x64", True'
     ):
-        sciflat.minimize(quad_loss, quad_model(), C, progress=False)
+        sciflat.minimize(quad_loss, quad_model(), args=(C,), progress=False)
     with pytest.raises(TypeError, match="64-bit mode is off"):
         sciflat.least_squares(lambda m: m.a, quad_model(), progress=False)
 
 
 def test_wrong_start_or_model():
     with pytest.raises(ValueError, match="length 4, got 3"):
-        sciflat.minimize(quad_loss, quad_model(), C, x0=np.zeros(3), progress=False)
+        sciflat.minimize(
+            quad_loss, quad_model(), args=(C,), x0=np.zeros(3), progress=False
+        )
     with pytest.raises(ValueError, match=r"not finite in `\.a`"):
         sciflat.minimize(
-            quad_loss, quad_model(), C, x0=np.array([0, np.nan, 0, 0]), progress=False
+            quad_loss,
+            quad_model(),
+            args=(C,),
+            x0=np.array([0, np.nan, 0, 0]),
+            progress=False,
         )
     with pytest.raises(ValueError, match="no trainable floating leaves"):
         sciflat.minimize(lambda m: 0.0, {"n": jnp.arange(3)}, progress=False)
     _, re = sciflat.destructure(quad_model(), dtype=jnp.float64)
     with pytest.raises(TypeError, match="pass `x0=`"):
-        sciflat.minimize(quad_loss, re, C, progress=False)
-    res = sciflat.minimize(quad_loss, re, C, x0=np.zeros(4), progress=False)
+        sciflat.minimize(quad_loss, re, args=(C,), progress=False)
+    res = sciflat.minimize(quad_loss, re, args=(C,), x0=np.zeros(4), progress=False)
     assert res.status == "converged"
     with pytest.raises(ValueError, match="must return a scalar"):
-        sciflat.minimize(lambda m, c: m.a - c, quad_model(), C, progress=False)
+        sciflat.minimize(lambda m, c: m.a - c, quad_model(), args=(C,), progress=False)
     with pytest.raises(TypeError, match="loss has dtype float32"):
         sciflat.minimize(
             lambda m: m.b.astype(jnp.float32), quad_model(), progress=False
         )
     with pytest.raises(ValueError, match="`method` must be one of"):
-        sciflat.minimize(quad_loss, quad_model(), C, method="newton", progress=False)
+        sciflat.minimize(
+            quad_loss, quad_model(), args=(C,), method="newton", progress=False
+        )
     with pytest.raises(TypeError, match="computes \\['jac'\\] itself"):
-        sciflat.minimize(quad_loss, quad_model(), C, jac=True, progress=False)
+        sciflat.minimize(quad_loss, quad_model(), args=(C,), jac=True, progress=False)
 
 
 def nan_beyond(m, c):
@@ -306,7 +535,7 @@ def nan_beyond(m, c):
 def test_nan_in_the_loss_stops_cleanly_naming_the_leaves():
     model = Quad(jnp.zeros(3), jnp.asarray(0.0))
     # Reverse mode: forward mode would spread the NaN to every leaf (0 * nan).
-    res = sciflat.minimize(nan_beyond, model, C, mode="reverse", progress=False)
+    res = sciflat.minimize(nan_beyond, model, args=(C,), mode="reverse", progress=False)
     assert res.status == "nonfinite" and not res.success
     assert "The loss is nan at call" in res.message
     assert "the gradient is non-finite in `.a`." in res.message  # `.b` is finite
@@ -317,7 +546,7 @@ def test_nan_in_the_loss_stops_cleanly_naming_the_leaves():
 def test_nan_in_the_residuals_stops_cleanly():
     model = Quad(jnp.zeros(3), jnp.asarray(0.0))
     res = sciflat.least_squares(
-        lambda m, c: jnp.sqrt(0.3 - m.a) - c + m.b, model, C, progress=False
+        lambda m, c: jnp.sqrt(0.3 - m.a) - c + m.b, model, args=(C,), progress=False
     )
     assert res.status == "nonfinite"
     assert "residuals are non-finite" in res.message
@@ -329,20 +558,30 @@ def test_nan_in_the_residuals_stops_cleanly():
 def test_keyboard_interrupt_returns_the_best_point_so_far(fit):
     seen = []
 
-    def callback(model, loss):
+    def callback(step, loss, model):
         assert isinstance(model, Quad) and model.a.dtype == jnp.float64
+        assert step == len(seen) + 1
         seen.append(loss)
         if len(seen) == 3:
             raise KeyboardInterrupt
 
     if fit == "minimize":
         res = sciflat.minimize(
-            quad_loss, quad_model(), C, method="BFGS", callback=callback, progress=False
+            quad_loss,
+            quad_model(),
+            args=(C,),
+            method="BFGS",
+            callback=callback,
+            progress=False,
         )
         value = float(quad_loss(res.model, C))
     else:
         res = sciflat.least_squares(
-            lambda m, c: m.a**2 - c, quad_model(), C, callback=callback, progress=False
+            lambda m, c: m.a**2 - c,
+            quad_model(),
+            args=(C,),
+            callback=callback,
+            progress=False,
         )
         value = 0.5 * float(jnp.sum((res.model.a**2 - C) ** 2))
     assert res.status == "interrupted" and res.raw is None
@@ -351,11 +590,13 @@ def test_keyboard_interrupt_returns_the_best_point_so_far(fit):
 
 
 def test_progress_bar_only_when_asked(capsys):
-    sciflat.minimize(quad_loss, quad_model(), C, progress=False)
+    sciflat.minimize(quad_loss, quad_model(), args=(C,), progress=False)
     assert capsys.readouterr().err == ""
     # tqdm redraws at most every 0.1 s: a slow callback lets it show the loss.
-    slow = lambda model, loss: time.sleep(0.12)
-    sciflat.minimize(quad_loss, quad_model(), C, callback=slow, options={"maxiter": 3})
+    slow = lambda step, loss, model: time.sleep(0.12)
+    sciflat.minimize(
+        quad_loss, quad_model(), args=(C,), callback=slow, options={"maxiter": 3}
+    )
     err = capsys.readouterr().err
     assert "minimize (L-BFGS-B)" in err and "loss=" in err
 
@@ -380,7 +621,7 @@ def exp_residuals(m, t, y):
 @pytest.mark.parametrize("method", ["trf", "dogbox", "lm"])
 def test_least_squares_methods(method):
     res = sciflat.least_squares(
-        exp_residuals, exp_model(), T, Y, method=method, progress=False
+        exp_residuals, exp_model(), args=(T, Y), method=method, progress=False
     )
     assert res.status == "converged", res.message
     np.testing.assert_allclose(
@@ -391,7 +632,7 @@ def test_least_squares_methods(method):
 
 def test_least_squares_jacobian_mode_by_shape(monkeypatch):
     seen = _spy(monkeypatch, "least_squares")
-    sciflat.least_squares(exp_residuals, exp_model(), T, Y, progress=False)
+    sciflat.least_squares(exp_residuals, exp_model(), args=(T, Y), progress=False)
     x0 = seen["x0"]
     jac = seen["jac"](x0)
     assert jac.dtype == np.float64 and jac.shape == (20, 2)
@@ -460,14 +701,14 @@ def test_lotka_volterra_rates_recovered(lv_data, fit):
     clean, noisy = lv_data
     if fit == "minimize":
         run = lambda data: sciflat.minimize(
-            lv_loss, START, data, bounds=POSITIVE, progress=False,
+            lv_loss, START, args=(data,), bounds=POSITIVE, progress=False,
             options={"ftol": 0.0, "gtol": 1e-12, "maxiter": 500},
         )  # fmt: skip
     else:
         run = lambda data: sciflat.least_squares(
             lv_residuals,
             START,
-            data,
+            args=(data,),
             bounds=POSITIVE,
             progress=False,
             xtol=1e-14,
@@ -489,11 +730,11 @@ def _blas_threads():
 
 def test_blas_threads_limited_during_the_fit_only():
     before, during = _blas_threads(), []
-    record = lambda model, loss: during.append(_blas_threads())
+    record = lambda step, loss, model: during.append(_blas_threads())
     fit = lambda **kw: sciflat.minimize(
         quad_loss,
         quad_model(),
-        C,
+        args=(C,),
         callback=record,
         progress=False,
         options={"maxiter": 2},
@@ -514,7 +755,9 @@ def test_scipy_iterate_reaches_the_model_unrounded(monkeypatch):
     target = jnp.asarray([1.0 + 1e-12, -(1.0 + 3e-12)])
     loss = lambda m, c: jnp.sum((m["w"] - c) ** 2)
     seen = _spy(monkeypatch, "minimize")
-    sciflat.minimize(loss, {"w": jnp.zeros(2, jnp.float32)}, target, progress=False)
+    sciflat.minimize(
+        loss, {"w": jnp.zeros(2, jnp.float32)}, args=(target,), progress=False
+    )
     value, grad = seen["fun"](np.asarray(target))
     assert value == 0.0 and np.all(grad == 0.0)
     value, _ = seen["fun"](np.asarray(target) + np.array([1e-12, 0.0]))

@@ -197,7 +197,7 @@ def main(
     t0 = time.perf_counter()
     fits = [
         sciflat.least_squares(
-            residuals, LotkaVolterra(*g), ts, ys, bounds=POSITIVE, progress=False
+            residuals, LotkaVolterra(*g), args=(ts, ys), bounds=POSITIVE, progress=False
         )
         for g in guesses
     ]
@@ -212,7 +212,7 @@ def main(
 
     t0 = time.perf_counter()
     mini = sciflat.minimize(
-        mse, LotkaVolterra(*best), ts, ys, bounds=POSITIVE, progress=progress
+        mse, LotkaVolterra(*best), args=(ts, ys), bounds=POSITIVE, progress=progress
     )
     took = time.perf_counter() - t0
     print(
@@ -258,7 +258,7 @@ def fit_ude(ts, ys, t_end, width, steps, adam_steps, seed, progress):
         )  # fmt: skip
         model, n_steps = adam.model, n_steps + adam.n_steps
     result = sciflat.minimize(
-        ude_mse, model, ts[keep], ys[keep], progress=progress,
+        ude_mse, model, args=(ts[keep], ys[keep]), progress=progress,
         bounds={"alpha": (1e-6, None), "gamma": (1e-6, None)}, options=dict(maxiter=steps),
     )  # fmt: skip
     n_steps += result.n_steps

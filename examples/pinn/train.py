@@ -164,7 +164,7 @@ def main(
     lbfgs = sciflat.minimize(
         loss_fn,
         re,
-        points,
+        args=(points,),
         x0=adam.p,
         method="L-BFGS-B",
         progress=progress,
@@ -202,13 +202,11 @@ def main(
 
 def _report_every(n, error, t0):
     """An L-BFGS-B callback printing the error every `n` iterations (0: never)."""
-    count = [0]
 
-    def callback(model, loss):
-        count[0] += 1
-        if n and count[0] % n == 0:
+    def callback(step, loss, model):
+        if n and step % n == 0:
             elapsed = time.perf_counter() - t0
-            print(f"  iteration {count[0]}: loss {loss:.3e}, relative L2 error "
+            print(f"  iteration {step}: loss {loss:.3e}, relative L2 error "
                   f"{error(model):.3e}, {elapsed:.0f} s", flush=True)  # fmt: skip
 
     return callback
