@@ -181,6 +181,29 @@ def bench_mlp(batches, repeats):
         )
 
 
+def bench_tanh(repeats):
+    """Σ tanh over every parameter of the big MLP: no matmul, so memory-bound."""
+    model = big_mlp()
+
+    def loss(m, x):
+        leaves = jax.tree.leaves(eqx.filter(m, eqx.is_inexact_array))
+        return x * sum(jnp.sum(jnp.tanh(w)) for w in leaves)
+
+    c, s = bench_steps(model, loss, jnp.float32(1.0), repeats)
+    print(
+        "| loss | compile: native / ravel / sciflat | step: native / ravel / sciflat "
+        "| ratio to native: ravel / sciflat |"
+    )
+    print("|---" * 4 + "|")
+    print(
+        f"| Σ tanh(params) | {c['native']:.2f} / {c['ravel_pytree']:.2f} / "
+        f"{c['sciflat']:.2f} s | {s['native'] * 1e3:.2f} / "
+        f"{s['ravel_pytree'] * 1e3:.2f} / {s['sciflat'] * 1e3:.2f} ms | "
+        f"{s['ravel_pytree'] / s['native']:.2f}× / {s['sciflat'] / s['native']:.2f}× |",
+        flush=True,
+    )
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -201,6 +224,10 @@ def main(argv=None):
         default=1000,
         help="skip ravel_pytree's eager unravel above this many leaves (≈69 s at 5000)",
     )
+    parser.add_argument(
+        "--tanh", action=argparse.BooleanOptionalAction, default=True,
+        help="the Σ tanh(params) table on the big MLP",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     print(
         f"jax {jax.__version__}, equinox {eqx.__version__}, backend {jax.default_backend()}, "
@@ -216,6 +243,9 @@ def main(argv=None):
         print()
     if args.batches:
         bench_mlp(args.batches, args.repeats)
+        print()
+    if args.tanh:
+        bench_tanh(args.repeats)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,15 @@
-"""Diffrax right-hand sides from a flat vector: `diffeqsolve(ODETerm(f), ..., args=p)`."""
+"""Diffrax right-hand sides for a destructured model: `diffeqsolve(..., args=re(p))`."""
 
 from typing import Literal
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, PyTree, Shaped
 
-from ._dtypes import complex_dtype, is_complex, is_inexact
+from ._dtypes import complex_dtype, is_complex, is_inexact, real_dtype
 from ._flatten import Restructure
 
 
@@ -17,7 +18,7 @@ _SIGNATURES = ("y", "t,y", "t,y,args")
 
 
 class VectorField(eqx.Module):
-    """An ODE right-hand side `f(t, y, args)` that rebuilds the model from `p`.
+    """An ODE right-hand side `f(t, y, args)` for a model destructured by sciflat.
 
     Made by [`sciflat.vector_field`][]; see there. It is an `eqx.Module`, so an
     `ODETerm` holding it is a pytree with a fixed structure and `jit` never retraces
@@ -29,18 +30,16 @@ class VectorField(eqx.Module):
     # floating arrays too: correct, and discarded.
     re: Restructure
     signature: Signature = eqx.field(static=True)
-    args: Literal["p", "model"] = eqx.field(static=True, default="p")
 
     def __call__(self, t, y: PyTree[Shaped[Array, "..."]], args) -> PyTree:
-        if self.args == "model":
-            model, extra = self._split_model(args)
-            dtype = _model_dtype(model, y)
-            _check_state(y, dtype, "`y`")
+        params, extra = self._split(args)
+        if self._is_model(params):
+            model, dtype = params, _model_dtype(params)
         else:
-            p, extra = self._split_p(args)
-            dtype = np.dtype(p.dtype)
-            _check_state(y, dtype, "`y`")
-            model = self.re(p)
+            # The flat vector: rebuilt at every evaluation, inside Diffrax's loop.
+            dtype = np.dtype(params.dtype)
+            model = self.re(params)
+        _check_state(y, dtype, "`y`")
         # Time is not a parameter: it reaches the model in `p.dtype`, so a float64
         # time axis never promotes a float32 model (nor the reverse).
         t = jnp.asarray(t).astype(dtype)
@@ -53,43 +52,54 @@ class VectorField(eqx.Module):
         _check_state(out, dtype, "The model's output `dy/dt`", like=y)
         return out
 
-    def _split_p(self, args):
-        p, extra = (args[0], args[1]) if isinstance(args, tuple) else (args, None)
-        if isinstance(args, tuple) and len(args) != 2:
-            raise ValueError(
-                "`args` of `diffeqsolve` must be `p` or `(p, extra)`, got a tuple of "
-                f"length {len(args)}."
-            )
-        dtype = np.dtype(getattr(p, "dtype", object))
-        if not jnp.issubdtype(dtype, jnp.floating):
-            raise TypeError(
-                "`args` of `diffeqsolve` must be the flat vector `p` (or `(p, extra)`), "
-                f"got {type(p).__name__} of dtype {dtype}."
-            )
-        return p, extra
+    def _is_model(self, x) -> bool:
+        return jax.tree.structure(x) == self.re._spec.treedef
 
-    def _split_model(self, args):
-        want = self.re._spec.treedef
-        if jax.tree.structure(args) == want:
+    def _split(self, args):
+        """`args` as `(model or p, extra)`."""
+        if self._is_model(args) or _is_flat(args):
             return args, None
-        if (
-            isinstance(args, tuple)
-            and len(args) == 2
-            and jax.tree.structure(args[0]) == want
-        ):
-            return args
+        if isinstance(args, tuple) and len(args) == 2:
+            if self._is_model(args[0]) or _is_flat(args[0]):
+                return args
+        got = (
+            f"a tuple of length {len(args)}"
+            if isinstance(args, tuple)
+            else f"{type(args).__name__} of structure {jax.tree.structure(args)}"
+        )
         raise TypeError(
             "`args` of `diffeqsolve` must be the model rebuilt by `re(p)` (or "
-            f"`(re(p), extra)`), since `args='model'`; got {jax.tree.structure(args)}."
+            "`(re(p), extra)`, where `extra` is handed to the model as its own "
+            f"`args`), or the flat vector `p` (or `(p, extra)`); got {got}. The model "
+            f"has structure {self.re._spec.treedef}."
         )
 
 
-def _model_dtype(model, y) -> np.dtype:
-    """`p.dtype` of a model rebuilt by `re(p)`: every floating leaf has it."""
-    for leaf in jax.tree.leaves(model):
-        if eqx.is_inexact_array(leaf):
-            return np.dtype(jnp.finfo(leaf.dtype).dtype)
-    return np.dtype(jnp.result_type(jax.tree.leaves(y)[0]))
+def _is_flat(x) -> bool:
+    """Whether `x` is meant as the flat vector: a real floating array (`re` checks
+    its shape)."""
+    return hasattr(x, "dtype") and jnp.issubdtype(np.dtype(x.dtype), jnp.floating)
+
+
+def _model_dtype(model) -> np.dtype:
+    """The one real dtype of a model's floating leaves (`p.dtype` for `re(p)`)."""
+    found: tuple[str, np.dtype] | None = None
+    for path, leaf in jtu.tree_flatten_with_path(model)[0]:
+        if not eqx.is_inexact_array(leaf):
+            continue
+        dtype = np.dtype(real_dtype(leaf.dtype))
+        if found is None:
+            found = (jtu.keystr(path), dtype)
+        elif dtype != found[1]:
+            raise TypeError(
+                f"The model passed as `args` has floating leaves in two dtypes: "
+                f"`{found[0]}` is {found[1].name} and `{jtu.keystr(path)}` is "
+                f"{dtype.name}. Pass `re(p)`: it rebuilds every floating leaf in "
+                "`p.dtype`."
+            )
+    if found is None:
+        return np.dtype(jnp.zeros(()).dtype)
+    return found[1]
 
 
 def _check_state(y, dtype: np.dtype, what: str, like=None) -> None:
@@ -119,28 +129,25 @@ def _check_state(y, dtype: np.dtype, what: str, like=None) -> None:
             )
 
 
-def vector_field(
-    re: Restructure,
-    signature: Signature = "t,y,args",
-    *,
-    args: Literal["p", "model"] = "p",
-) -> VectorField:
+def vector_field(re: Restructure, signature: Signature = "t,y,args") -> VectorField:
     """An ODE right-hand side for Diffrax whose parameters are the flat vector `p`.
 
-    Pass `p` as Diffrax's `args` (or `(p, extra)`, where `extra` is handed to the model
-    as its own `args`): then `diffeqsolve` differentiates with respect to `p`, with any
-    solver and adjoint. The model is rebuilt by `re(p)` at every evaluation, so it
-    computes in `p.dtype`; time is handed to it in `p.dtype` too. The state `y` must
-    have `p.dtype` (or the matching complex dtype): anything else is a `TypeError`,
-    never a silent solve in another precision. A universal differential equation is
-    just a model holding both the known rates and the network.
+    Pass the rebuilt model `re(p)` as Diffrax's `args` (or `(re(p), extra)`, where
+    `extra` is handed to the model as its own `args`): `diffeqsolve` then
+    differentiates with respect to `p` through `re`, with any solver and adjoint, at
+    the cost of the same solve on the plain model. The model computes in `p.dtype`;
+    time is handed to it in `p.dtype` too. The state `y` must have `p.dtype` (or the
+    matching complex dtype): anything else is a `TypeError`, never a silent solve in
+    another precision. `args=p` (or `(p, extra)`) also works and rebuilds the model
+    at every evaluation, inside the solver's loop: 2-4x slower for `vmap`ped solves
+    on CPU (see the docs).
 
     !!! Example
 
         ```python
         p, re = sciflat.destructure(model)  # model(t, y, args) -> dy/dt
         term = diffrax.ODETerm(sciflat.vector_field(re))
-        sol = diffrax.diffeqsolve(term, diffrax.Tsit5(), 0.0, 1.0, 0.1, y0, args=p)
+        sol = diffrax.diffeqsolve(term, diffrax.Tsit5(), 0.0, 1.0, 0.1, y0, args=re(p))
         ```
 
     **Arguments:**
@@ -148,10 +155,6 @@ def vector_field(
     - `re`: the [`sciflat.Restructure`][] from `sciflat.destructure(model)`.
     - `signature`: how the model is called: `"y"` (`model(y)`), `"t,y"`
         (`model(t, y)`) or `"t,y,args"` (`model(t, y, extra)`, the Diffrax convention).
-    - `args`: what is passed as Diffrax's `args`: `"p"` (the flat vector: the model
-        is rebuilt at every evaluation) or `"model"` (`re(p)`, rebuilt once outside
-        the solve: the gradient still flows to `p`, through `re`). `"model"` is
-        faster for batched (`vmap`ped) solves on CPU: see the benchmark in the docs.
 
     **Returns:**
 
@@ -166,6 +169,4 @@ def vector_field(
         raise ValueError(
             f"`signature` must be one of {_SIGNATURES}, got {signature!r}."
         )
-    if args not in ("p", "model"):
-        raise ValueError(f"`args` must be 'p' or 'model', got {args!r}.")
-    return VectorField(re, signature, args)
+    return VectorField(re, signature)

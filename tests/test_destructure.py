@@ -369,3 +369,109 @@ def test_a_tie_declared_by_transform_without_shared():
         sciflat.destructure(
             model, ties=[(lambda m: m[1].weight, lambda m: m[0].weight)]
         )
+
+
+#
+# Eager `re(p)` on an accelerator: the pieces are cut on `p`'s device. Forced here on
+# the CPU (where `re` normally splits with NumPy) and compared with the NumPy path.
+#
+
+
+@pytest.fixture
+def device_path(monkeypatch):
+    import sciflat._flatten as flatten
+
+    monkeypatch.setattr(flatten, "_on_host", lambda p: False)
+    return flatten
+
+
+def _same_rebuild(a, b):
+    la, ta = jax.tree.flatten(a)
+    lb, tb = jax.tree.flatten(b)
+    assert ta == tb
+    for x, y in zip(la, lb, strict=True):
+        if eqx.is_array(x):
+            assert np.dtype(x.dtype) == np.dtype(y.dtype) and np.shape(x) == np.shape(y)
+            if not jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+                np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        else:
+            assert x is y or x == y
+
+
+@pytest.mark.parametrize(
+    "name, dtype",
+    [
+        (name, dtype)
+        for name in sorted(EDGE)
+        for dtype in (jnp.float16, jnp.float64)
+        if not (name == "complex_leaf" and dtype == jnp.float16)  # refused, above
+    ],
+    ids=str,
+)
+def test_eager_rebuild_on_device_matches_the_numpy_path(name, dtype, device_path):
+    model, _ = EDGE[name]
+    p, re = sciflat.destructure(model)
+    q = (p + 1).astype(dtype)
+    on_device = re(q)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(device_path, "_on_host", lambda p: True)
+        on_host = re(q)
+    _same_rebuild(on_device, on_host)
+    arrays = jax.tree.leaves(eqx.filter(on_device, eqx.is_inexact_array))
+    assert all(isinstance(x, jax.Array) and x.devices() == q.devices() for x in arrays)
+    if name in ("tied_identity", "nested_tie"):
+        leaves = jax.tree.leaves(on_device)
+        assert len({id(x) for x in leaves}) < len(leaves)  # the tie is one array
+
+
+def test_eager_rebuild_on_device_compiles_one_kernel_per_leaf_shape(device_path):
+    # 200 leaves of one shape (one no other test uses) and 3 of another: 2 kernels.
+    model = [jnp.full((3, 7), float(i)) for i in range(200)] + [jnp.ones(11)] * 3
+    model += [jnp.ones(11), jnp.ones(11)]
+    p, re = sciflat.destructure(model)
+    before = device_path._take._cache_size()
+    rebuilt = re(p)
+    assert device_path._take._cache_size() - before <= 2
+    re(p * 2)
+    assert device_path._take._cache_size() - before <= 2
+    for i in range(200):
+        np.testing.assert_array_equal(rebuilt[i], np.full((3, 7), float(i)))
+
+
+def test_eager_rebuild_on_device_stays_on_p_device():
+    """Two forced host devices, `p` on the second: both device paths (the whole split,
+    and one kernel per shape for many same-shape leaves) leave every array there."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import jax, jax.numpy as jnp, equinox as eqx, sciflat, sciflat._flatten as F
+        F._on_host = lambda p: False
+        cpu0, cpu1 = jax.devices()
+        mlp = eqx.nn.MLP(2, 2, 4, 1, key=jax.random.key(0))
+        spec = eqx.tree_at(lambda m: m.layers[0].bias, jax.tree.map(lambda _: True, mlp), False)
+        many = [jnp.ones(3)] * 2 + [jnp.ones(3) for _ in range(9)]
+        for model, spec in [(mlp, spec), (many, True)]:
+            p, re = sciflat.destructure(model, spec)
+            q = jax.device_put(p, cpu1)
+            arrays = jax.tree.leaves(eqx.filter(re(q), eqx.is_array))
+            assert {x.devices().pop() for x in arrays} == {cpu1}
+        print("ok")
+        """
+    )
+    env = dict(
+        os.environ,
+        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        JAX_PLATFORMS="cpu",
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]

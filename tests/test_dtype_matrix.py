@@ -334,11 +334,11 @@ def test_diffrax_solve(solve, name, dtype):
     ids=str,
 )
 def test_diffrax_solve_model_as_args(name, dtype):
-    # vector_field(re, args="model"): `re(p)` is rebuilt once, outside the solve, and
+    # args=re(p) (what the docs teach): `re(p)` is rebuilt once, outside the solve, and
     # the model itself is Diffrax's args; the gradient still reaches `p` through `re`.
     solver, adjoint, *_ = SOLVES["tsit5-checkpoint"]
     _, x, p, re = _ode_setup(name, dtype)
-    term = diffrax.ODETerm(sciflat.vector_field(re, args="model"))
+    term = diffrax.ODETerm(sciflat.vector_field(re))
     f = lambda p, x: solve_loss(term, re(p), x, solver, adjoint, dtype)
     report = sciflat.assert_dtypes(f, p, x)
     value, grad = report.out
