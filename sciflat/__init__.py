@@ -7,8 +7,13 @@ from ._flatten import Restructure as Restructure, destructure as destructure
 from ._io import load as load, save as save
 from ._least_squares import least_squares as least_squares
 from ._optax import fit as fit
+from ._report import plot_fit as plot_fit
 from ._result import FitResult as FitResult
 from ._scipy import minimize as minimize
+from ._uncertainty import (
+    Uncertainty as Uncertainty,
+    hessian_uncertainty as hessian_uncertainty,
+)
 
 
 __version__ = importlib.metadata.version("sciflat")

@@ -10,6 +10,7 @@ import scipy.optimize
 from jaxtyping import Array, Float, PyTree, Scalar
 
 from . import _scipy_problem as sp
+from ._floats import promote_floats
 from ._result import FitResult, Status
 from ._scipy_bounds import flat_bounds
 
@@ -117,6 +118,7 @@ def minimize(
     if clash := [k for k in _OURS if k in kwargs]:
         raise TypeError(f"`minimize` computes {clash} itself; do not pass them.")
     name = _check_method(method, bounds)
+    model = promote_floats(model, "minimize")  # {"b1": 500.0}: b1 is fitted
     start, re = sp.start(model, x0, filter_spec, "minimize")
     scipy_bounds = flat_bounds(bounds, re, start)
     leaves, rebuild = sp.split_args(args)
@@ -141,7 +143,7 @@ def minimize(
     return FitResult(
         model=re(p), p=p, loss=float(value), status=status,
         message=f"{message} (gradient: {used})", history=np.asarray(tracker.history),
-        n_steps=n, raw=res,
+        n_steps=n, raw=res, re=re, n_evaluations=tracker.n_calls,
     )  # fmt: skip
 
 
