@@ -36,6 +36,7 @@ _NAMESPACE = {
     "sin": jnp.sin,
     "pi": math.pi,
 }
+_NUMPY = {k: getattr(np, k) if k != "pi" else math.pi for k in _NAMESPACE}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,9 +52,11 @@ class Problem:
     y: np.ndarray
     expression: str = dataclasses.field(repr=False)  # the formula in Python
 
-    def f(self, params: dict, x):
-        """The model `y = f(x; b)` with `params` a dict `{"b1": ..., ...}`."""
-        return eval(self.expression, dict(_NAMESPACE), {**params, "x": x})
+    def f(self, params: dict, x, numpy: bool = False):
+        """The model `y = f(x; b)` with `params` a dict `{"b1": ..., ...}`, in JAX
+        (or in NumPy, `numpy=True`, for libraries that call it with NumPy arrays)."""
+        namespace = _NUMPY if numpy else _NAMESPACE
+        return eval(self.expression, dict(namespace), {**params, "x": x})
 
     @property
     def residuals(self) -> Callable:

@@ -9,6 +9,7 @@ data determine the parameters and names the directions they do not determine.
 """
 
 import dataclasses
+import functools as ft
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -39,17 +40,22 @@ class Uncertainty:
 
     - `covariance`: `(n, n)` NumPy array; rows and columns of parameters in an
         unidentifiable direction are NaN.
-    - `names`: one name per entry of `p` (`"['b1']"`, `".weight[0, 1]"`); a tied
-        array appears once, under its first path.
+    - `re`: the [`sciflat.Restructure`][] of `p`; `names` gives one name per entry
+        of `p` (`"['b1']"`, `".weight[0, 1]"`), a tied array once, under its first path.
     - `scale`: a sentence saying how the covariance was scaled.
     - `unidentifiable`: each direction of `p` the data do not determine, as a
         combination of parameter names (`"0.71 ['a'] + 0.71 ['b']"`).
     """
 
     covariance: np.ndarray
-    names: tuple[str, ...]
+    re: Restructure = dataclasses.field(repr=False)
     scale: str
     unidentifiable: tuple[str, ...] = ()
+
+    @ft.cached_property
+    def names(self) -> tuple[str, ...]:
+        """One name per entry of `p` (computed when first asked for)."""
+        return entry_names(self.re)
 
     @property
     def stderr(self) -> np.ndarray:
@@ -81,7 +87,9 @@ def entry_names(re: Restructure) -> tuple[str, ...]:
     return tuple(names)
 
 
-def _inverse(a: np.ndarray, names, squared: bool) -> tuple[np.ndarray, tuple[str, ...]]:
+def _inverse(
+    a: np.ndarray, re: Restructure, squared: bool
+) -> tuple[np.ndarray, tuple[str, ...]]:
     """(JᵀJ)⁺ from J (`squared`) or H⁺ from a symmetric H, column-scaled, with the
     parameters of every dropped direction set to NaN."""
     a = np.asarray(a, np.float64)
@@ -101,6 +109,7 @@ def _inverse(a: np.ndarray, names, squared: bool) -> tuple[np.ndarray, tuple[str
     cov = inner / np.outer(d, d)
     dropped = []
     bad = np.zeros(len(d), bool)
+    names = entry_names(re) if not keep.all() else ()
     for v in vectors[:, ~keep].T:
         weights = v / d  # back in the parameters' own units
         weights = weights / np.max(np.abs(weights))
@@ -117,8 +126,7 @@ def from_jacobian(jac, cost: float, re: Restructure) -> Uncertainty:
     """cov = s² (JᵀJ)⁻¹, s² = 2 cost / (m - n): the least-squares covariance."""
     jac = np.asarray(jac, np.float64)
     m, n = jac.shape
-    names = entry_names(re)
-    inner, dropped = _inverse(jac, names, squared=True)
+    inner, dropped = _inverse(jac, re, squared=True)
     # An undetermined direction is no degree of freedom used by the fit.
     rank = n - len(dropped)
     dof = m - rank
@@ -129,7 +137,7 @@ def from_jacobian(jac, cost: float, re: Restructure) -> Uncertainty:
     )
     if dof <= 0:
         scale += ": undefined, there are no more residuals than parameters"
-    return Uncertainty(s2 * inner, names, scale, dropped)
+    return Uncertainty(s2 * inner, re, scale, dropped)
 
 
 def from_hessian(
@@ -137,12 +145,11 @@ def from_hessian(
 ) -> Uncertainty:
     """The covariance from the Hessian of the loss at its minimum, scaled by `scale`."""
     hess = np.asarray(hess, np.float64)
-    names = entry_names(re)
-    n = len(names)
-    inner, dropped = _inverse(hess, names, squared=False)
+    n = len(re)
+    inner, dropped = _inverse(hess, re, squared=False)
     if scale == "nll":
         return Uncertainty(
-            inner, names, "H⁻¹: the loss is a negative log-likelihood", dropped
+            inner, re, "H⁻¹: the loss is a negative log-likelihood", dropped
         )
     if scale not in ("sse", "mse"):
         raise ValueError(f"`scale` must be 'nll', 'sse' or 'mse', got {scale!r}.")
@@ -158,7 +165,7 @@ def from_hessian(
         f"2 s² H⁻¹{'' if scale == 'sse' else ' / m'}: the loss is {what} with the "
         f"residual variance s² = Σr² / (m - n) = {s2:.6g} (m = {n_data}, n = {n})"
     )
-    return Uncertainty(factor * inner, names, text, dropped)
+    return Uncertainty(factor * inner, re, text, dropped)
 
 
 def hessian_uncertainty(
