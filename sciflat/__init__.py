@@ -10,6 +10,13 @@ from ._optax import fit as fit
 from ._report import plot_fit as plot_fit
 from ._result import FitResult as FitResult
 from ._scipy import minimize as minimize
+from ._transforms import (
+    Interval as Interval,
+    Log as Log,
+    Positive as Positive,
+    Transform as Transform,
+    unwrap as unwrap,
+)
 from ._uncertainty import (
     Uncertainty as Uncertainty,
     hessian_uncertainty as hessian_uncertainty,

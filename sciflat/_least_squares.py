@@ -13,6 +13,7 @@ from . import _scipy_problem as sp
 from ._floats import promote_floats
 from ._result import FitResult, Status
 from ._scipy_bounds import flat_bounds
+from ._transforms import for_values, unwrapping
 from ._uncertainty import from_jacobian
 
 
@@ -90,7 +91,10 @@ def least_squares(
         raise ValueError(f"`method` must be one of {_METHODS}, got {method!r}.")
     if method == "lm" and bounds is not None:
         raise ValueError("`method='lm'` does not take bounds; use 'trf' or 'dogbox'.")
-    model = promote_floats(model, "least_squares")  # {"b1": 500.0}: b1 is fitted
+    model = promote_floats(model, "least_squares")
+    residuals = unwrapping(
+        residuals
+    )  # the loss sees the values of `Transform`s  # {"b1": 500.0}: b1 is fitted
     start, re = sp.start(model, x0, filter_spec, "least_squares")
     lb_ub = flat_bounds(bounds, re, start)
     leaves, rebuild = sp.split_args(args)
@@ -165,7 +169,9 @@ def least_squares(
     # Standard errors from the Jacobian at the solution: one more Jacobian call.
     unc = None
     if kwargs.get("loss", "linear") == "linear" and np.isfinite(value):
-        unc = from_jacobian(np.asarray(jac_fn(x, leaves)), float(value), re)
+        unc = for_values(
+            from_jacobian(np.asarray(jac_fn(x, leaves)), float(value), re), re, x
+        )
     return FitResult(
         model=re(p), p=p, loss=float(value), status=status,
         message=f"{message} (Jacobian: {used} mode)", history=np.asarray(tracker.history),

@@ -24,6 +24,7 @@ from ._fit_step import check_loss_output, make_step, place, reuses_value, strong
 from ._flatten import destructure
 from ._io import nonfinite_paths
 from ._result import FitResult
+from ._transforms import unwrapping
 
 
 _M = TypeVar("_M")
@@ -151,6 +152,7 @@ def fit(
     non-finite stop, where the state of the returned point is not kept).
     """
     _validate(loss, optimizer, steps, batches, args, checkpoint, checkpoint_every)
+    loss = unwrapping(loss)  # the loss sees the values of `sciflat.Transform`s
     p, re = destructure(model, filter_spec, dtype=dtype)
     if len(re) == 0:
         raise ValueError(

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ._transforms import constrained
 from ._uncertainty import entry_names
 
 
@@ -48,8 +49,8 @@ def report(result: "FitResult", min_correlation: float) -> str:
     unc, re = result.uncertainty, result.re
     if re is None:
         return "\n".join(lines)
-    names = [pretty(n) for n in entry_names(re)]
-    values = np.asarray(result.p, np.float64)
+    names = [pretty(n).removesuffix(".raw") for n in entry_names(re)]
+    values = np.asarray(constrained(re, result.p), np.float64)
     lines.append("[[Variables]]")
     width = max(len(n) for n in names)
     stderr = None if unc is None else unc.stderr

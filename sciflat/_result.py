@@ -144,7 +144,11 @@ class FitResult(Generic[_M]):
 def _model_shaped(re: Restructure, flat: np.ndarray) -> PyTree:
     """`flat` (one value per entry of `p`) in the model's structure; leaves not in `p`
     are None."""
-    model = re(jnp.asarray(flat, jnp.float64))
+    from ._transforms import raw_to_values
+
+    # A transform node holds its value's numbers in `raw`: show them in its place.
+    model = raw_to_values(re(jnp.asarray(flat, jnp.float64)))
     trainable = {e["path"] for e in re.layout() if e["kind"] == "trainable"}
+    trainable |= {p.removesuffix(".raw") for p in trainable}
     keep = lambda k, v: v if jax.tree_util.keystr(k) in trainable else None
     return jax.tree_util.tree_map_with_path(keep, model)

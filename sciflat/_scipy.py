@@ -13,6 +13,7 @@ from . import _scipy_problem as sp
 from ._floats import promote_floats
 from ._result import FitResult, Status
 from ._scipy_bounds import flat_bounds
+from ._transforms import unwrapping
 
 
 _M = TypeVar("_M")
@@ -118,7 +119,10 @@ def minimize(
     if clash := [k for k in _OURS if k in kwargs]:
         raise TypeError(f"`minimize` computes {clash} itself; do not pass them.")
     name = _check_method(method, bounds)
-    model = promote_floats(model, "minimize")  # {"b1": 500.0}: b1 is fitted
+    model = promote_floats(model, "minimize")
+    loss = unwrapping(
+        loss
+    )  # the loss sees the values of `Transform`s  # {"b1": 500.0}: b1 is fitted
     start, re = sp.start(model, x0, filter_spec, "minimize")
     scipy_bounds = flat_bounds(bounds, re, start)
     leaves, rebuild = sp.split_args(args)

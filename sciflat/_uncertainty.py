@@ -215,8 +215,12 @@ def hessian_uncertainty(
         )
     re = result.re
     x = jnp.asarray(result.p, jnp.float64)
-    hess = jax.jit(jax.hessian(lambda x: loss(re(x), *args)))(x)
-    unc = from_hessian(np.asarray(hess), result.loss, re, scale, n_data)
+    from ._transforms import for_values, unwrap
+
+    hess = jax.jit(jax.hessian(lambda x: loss(unwrap(re(x)), *args)))(x)
+    unc = for_values(
+        from_hessian(np.asarray(hess), result.loss, re, scale, n_data), re, x
+    )
     if scale == "nll":
         return dataclasses.replace(result, uncertainty=unc)
     assert n_data is not None  # from_hessian checked
