@@ -6,6 +6,7 @@ from ._diffrax import VectorField as VectorField, vector_field as vector_field
 from ._flatten import Restructure as Restructure, destructure as destructure
 from ._io import load as load, save as save
 from ._least_squares import least_squares as least_squares
+from ._multistart import MultiStartResult as MultiStartResult, multistart as multistart
 from ._optax import fit as fit
 from ._report import plot_fit as plot_fit
 from ._result import FitResult as FitResult

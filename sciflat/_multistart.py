@@ -1,0 +1,148 @@
+"""Several starting points, one compilation: the best fit and all of them."""
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, PyTree
+
+from ._flatten import Restructure, destructure
+from ._floats import promote_floats
+from ._result import FitResult
+from ._scipy_bounds import flat_bounds
+from ._validate import as_flat_vector
+
+
+_M = TypeVar("_M")
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiStartResult(Generic[_M]):
+    """What [`sciflat.multistart`][] returns.
+
+    **Fields:**
+
+    - `best`: the [`sciflat.FitResult`][] with the lowest loss among those that
+        converged (among all, if none did).
+    - `results`: every fit, in the order of `starts`.
+    - `starts`: the starting points, one flat vector per row.
+    """
+
+    best: FitResult[_M]
+    results: list[FitResult[_M]]
+    starts: np.ndarray
+
+    def __str__(self) -> str:
+        losses = ", ".join(
+            f"{r.loss:.6g}{'' if r.success else '*'}" for r in self.results
+        )
+        return (
+            f"{len(self.results)} starts; losses: {losses} (* not converged); best: "
+            f"start {self.results.index(self.best)}\n{self.best}"
+        )
+
+
+def multistart(
+    fit: Callable[..., FitResult[_M]],
+    loss: Callable[..., Any],
+    model: _M,
+    starts: int | Sequence[Any] | Float[Array, "k n"],
+    *,
+    args: tuple[Any, ...] = (),
+    bounds: Any = None,
+    key: jax.Array | None = None,
+    filter_spec: PyTree[bool] = True,
+    **kwargs: Any,
+) -> MultiStartResult[_M]:
+    """Runs `fit` (`sciflat.least_squares` or `sciflat.minimize`) from several starts.
+
+    The model is flattened once and every start is a different `x0` of the same
+    problem, so the loss (and its derivatives) are compiled once and each further
+    start costs only its iterations. Starts are given, or sampled uniformly within
+    `bounds`: entries with both bounds finite are drawn, the others keep the model's
+    value; the model's own start comes first.
+
+    !!! Example
+
+        ```python
+        runs = sciflat.multistart(sciflat.least_squares, residuals, model, 20,
+                                  args=(x, y), bounds={"k": (0.0, 10.0)})
+        print(runs)                # every start's loss, then the best fit's report
+        runs.best.model
+        ```
+
+    **Arguments:**
+
+    - `fit`: `sciflat.least_squares` or `sciflat.minimize`.
+    - `loss`: its `residuals` or `loss`.
+    - `model`: the model (its structure, and the first start when sampling).
+    - `starts`: an int (how many starts to sample within `bounds`), or a sequence of
+        models of the same structure, or an array of flat vectors `(k, n)`.
+    - `args`: the data, as in the fits.
+    - `bounds`: as in the fits; passed to every fit, and used for sampling.
+    - `key`: a JAX PRNG key for sampling (default `jax.random.key(0)`).
+    - `filter_spec`: as in the fits.
+    - `**kwargs`: passed to every fit (`method`, `ftol`, ...); `progress` is off
+        unless given.
+
+    **Returns:**
+
+    A [`sciflat.MultiStartResult`][]: `best`, `results`, `starts`.
+    """
+    model = promote_floats(model, "multistart")
+    p, re = destructure(model, filter_spec, dtype=jnp.float64)
+    x0s = _starts(starts, p, re, bounds, key, filter_spec)
+    kwargs.setdefault("progress", False)
+    if bounds is not None:
+        kwargs["bounds"] = bounds
+    results = [_call(fit, loss, re, args, x0, kwargs) for x0 in x0s]
+    converged = [r for r in results if r.success] or results
+    best = min(converged, key=lambda r: r.loss if np.isfinite(r.loss) else np.inf)
+    return MultiStartResult(best, results, x0s)
+
+
+def _call(fit, loss, re: Restructure, args: tuple, x0, kwargs: dict) -> FitResult:
+    # Data by position until the fits take `args=(...)` (then: `args=args`).
+    return fit(loss, re, *args, x0=jnp.asarray(x0), **kwargs)
+
+
+def _starts(starts, p, re: Restructure, bounds, key, filter_spec) -> np.ndarray:
+    n = len(re)
+    if isinstance(starts, int):
+        if starts < 1:
+            raise ValueError(f"`starts` must be at least 1, got {starts}.")
+        lb_ub = flat_bounds(bounds, re, np.asarray(p))
+        lower, upper = (
+            (np.full(n, -np.inf), np.full(n, np.inf)) if lb_ub is None else lb_ub
+        )
+        finite = np.isfinite(lower) & np.isfinite(upper)
+        if starts > 1 and not finite.any():
+            raise ValueError(
+                "`starts` as a number samples within `bounds`, but no parameter has "
+                "both bounds finite: give `bounds=` (e.g. {'k': (0.0, 10.0)}) or the "
+                "starts themselves."
+            )
+        key = jax.random.key(0) if key is None else key
+        u = np.asarray(jax.random.uniform(key, (starts - 1, n), jnp.float64))
+        sampled = np.where(finite, lower + u * (upper - lower), np.asarray(p))
+        return np.concatenate([np.asarray(p)[None], sampled])
+    if isinstance(starts, jax.Array | np.ndarray):
+        rows = [as_flat_vector(s, n, "`multistart` (`starts`)") for s in starts]
+    else:
+        rows = []
+        for i, start in enumerate(starts):
+            q, r = destructure(
+                promote_floats(start, "multistart"), filter_spec, dtype=jnp.float64
+            )
+            if r.paths != re.paths:
+                raise ValueError(
+                    f"`starts[{i}]` does not have the model's trainable leaves: "
+                    f"expected {list(re.paths)[:8]}, got {list(r.paths)[:8]}."
+                )
+            rows.append(q)
+    if not rows:
+        raise ValueError("`starts` is empty.")
+    return np.stack([np.asarray(r, np.float64) for r in rows])
