@@ -158,7 +158,6 @@ def fit(problem: Problem, start: int, **kwargs):
     import sciflat
 
     data = (jnp.asarray(problem.x), jnp.asarray(problem.y))
-    # Data by position until `least_squares` takes `args=(...)` (then: `args=data`).
     return sciflat.least_squares(
-        problem.residuals, problem.start(start), *data, progress=False, **kwargs
+        problem.residuals, problem.start(start), args=data, progress=False, **kwargs
     )

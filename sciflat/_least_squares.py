@@ -41,7 +41,8 @@ def _status(res) -> Status:
 def least_squares(
     residuals: Callable[..., Float[Array, "..."]],
     model: _M,
-    *args: Any,
+    *data: Any,
+    args: tuple[Any, ...] = (),
     method: str = "trf",
     bounds: Mapping | tuple | None = None,
     mode: sp.Mode = "auto",
@@ -97,7 +98,8 @@ def least_squares(
     )  # the loss sees the values of `Transform`s  # {"b1": 500.0}: b1 is fitted
     start, re = sp.start(model, x0, filter_spec, "least_squares")
     lb_ub = flat_bounds(bounds, re, start)
-    leaves, rebuild = sp.split_args(args)
+    # Bridge to scipyperf's `args=(...)` (the merge keeps theirs): both accepted here.
+    leaves, rebuild = sp.split_args((*data, *args))
 
     get = lambda kind, mode: sp.jitted(kind, _build, residuals, re, rebuild, mode)
     res_fn = get("residuals", "none")

@@ -105,8 +105,7 @@ def multistart(
 
 
 def _call(fit, loss, re: Restructure, args: tuple, x0, kwargs: dict) -> FitResult:
-    # Data by position until the fits take `args=(...)` (then: `args=args`).
-    return fit(loss, re, *args, x0=jnp.asarray(x0), **kwargs)
+    return fit(loss, re, args=args, x0=jnp.asarray(x0), **kwargs)
 
 
 def _starts(starts, p, re: Restructure, bounds, key, filter_spec) -> np.ndarray:

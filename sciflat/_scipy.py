@@ -57,7 +57,8 @@ def _status(res) -> Status:
 def minimize(
     loss: Callable[..., Scalar],
     model: _M,
-    *args: Any,
+    *data: Any,
+    args: tuple[Any, ...] = (),
     method: str = "L-BFGS-B",
     bounds: Mapping | tuple | None = None,
     mode: sp.Mode = "auto",
@@ -125,7 +126,8 @@ def minimize(
     )  # the loss sees the values of `Transform`s  # {"b1": 500.0}: b1 is fitted
     start, re = sp.start(model, x0, filter_spec, "minimize")
     scipy_bounds = flat_bounds(bounds, re, start)
-    leaves, rebuild = sp.split_args(args)
+    # Bridge to scipyperf's `args=(...)` (the merge keeps theirs): both accepted here.
+    leaves, rebuild = sp.split_args((*data, *args))
     limit = sp.blas_threads_limit(blas_threads, len(re))
     tracker = sp.Tracker(re, callback, progress, f"minimize ({method})")
     fun, used, extra = _objective(

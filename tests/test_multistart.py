@@ -23,7 +23,7 @@ def test_sampled_starts_find_the_global_minimum_with_one_compile():
     single, many = [], []
     # From w = 1 alone the fit stops in a local minimum.
     alone = sciflat.least_squares(
-        make_residuals(single), {"w": 1.0}, X, Y, progress=False
+        make_residuals(single), {"w": 1.0}, args=(X, Y), progress=False
     )
     assert abs(float(alone.model["w"]) - 3.3) > 0.1
     runs = sciflat.multistart(
@@ -36,7 +36,8 @@ def test_sampled_starts_find_the_global_minimum_with_one_compile():
     )
     assert float(runs.best.model["w"]) == pytest.approx(3.3, rel=1e-8)
     assert runs.best.loss == min(r.loss for r in runs.results if r.success)
-    assert len(many) == len(single)  # twelve fits, traced as often as one
+    # Twelve fits traced no more often than one (fewer if a cache already has it).
+    assert 0 < len(single) and len(many) <= len(single)
     assert "12 starts" in str(runs) and "[[Variables]]" in str(runs)
 
 

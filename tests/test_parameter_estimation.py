@@ -12,12 +12,11 @@ import sciflat
 
 
 def lsq(residuals, model, args=(), **kwargs):
-    # Data by position until `least_squares` takes `args=(...)` (then: `args=args`).
-    return sciflat.least_squares(residuals, model, *args, progress=False, **kwargs)
+    return sciflat.least_squares(residuals, model, args=args, progress=False, **kwargs)
 
 
 def mini(loss, model, args=(), **kwargs):
-    return sciflat.minimize(loss, model, *args, progress=False, **kwargs)
+    return sciflat.minimize(loss, model, args=args, progress=False, **kwargs)
 
 
 def exponential(m, x, y):

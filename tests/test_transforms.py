@@ -11,8 +11,7 @@ import sciflat
 
 
 def lsq(residuals, model, args=(), **kwargs):
-    # Data by position until `least_squares` takes `args=(...)` (then: `args=args`).
-    return sciflat.least_squares(residuals, model, *args, progress=False, **kwargs)
+    return sciflat.least_squares(residuals, model, args=args, progress=False, **kwargs)
 
 
 X = jnp.linspace(0.1, 3.0, 25)
@@ -78,7 +77,7 @@ def test_unbounded_methods_respect_the_constraint():
     x = jnp.linspace(0.0, 1.0, 10)
     loss = lambda m, x: jnp.sum((m["s"] * x + x) ** 2)
     start = {"s": sciflat.Positive(1.0)}
-    res = sciflat.minimize(loss, start, x, method="BFGS", progress=False)
+    res = sciflat.minimize(loss, start, args=(x,), method="BFGS", progress=False)
     assert 0 < float(sciflat.unwrap(res.model)["s"]) < 1e-3
     res = lsq(lambda m, x: m["s"] * x + x, start, (x,), method="lm")
     assert 0 < float(sciflat.unwrap(res.model)["s"]) < 1e-3
@@ -91,7 +90,9 @@ def test_unbounded_methods_respect_the_constraint():
 def test_hessian_uncertainty_of_transformed_values(plain):
     sse = lambda m, x, y: jnp.sum(decay(m, x, y) ** 2)
     start = {"a": sciflat.Log(1.0), "k": sciflat.Log(1.0)}
-    res = sciflat.minimize(sse, start, X, Y, options=dict(gtol=1e-12), progress=False)
+    res = sciflat.minimize(
+        sse, start, args=(X, Y), options=dict(gtol=1e-12), progress=False
+    )
     res = sciflat.hessian_uncertainty(res, sse, args=(X, Y), scale="sse", n_data=25)
     # The Hessian includes the residuals' curvature, J^T J does not: close, not equal.
     for name in ("a", "k"):
