@@ -169,13 +169,16 @@ def least_squares(
             )
     p = jnp.asarray(np.asarray(x, dtype=np.float64))
     # Standard errors from the Jacobian at the solution: one more Jacobian call.
-    unc = None
+    unc, fitted = None, re(p)
     if kwargs.get("loss", "linear") == "linear" and np.isfinite(value):
         unc = for_values(
-            from_jacobian(np.asarray(jac_fn(x, leaves)), float(value), re), re, x
+            from_jacobian(np.asarray(jac_fn(x, leaves)), float(value), re),
+            re,
+            x,
+            fitted,
         )
     return FitResult(
-        model=re(p), p=p, loss=float(value), status=status,
+        model=fitted, p=p, loss=float(value), status=status,
         message=f"{message} (Jacobian: {used} mode)", history=np.asarray(tracker.history),
         n_steps=len(tracker.history), raw=res, re=re, uncertainty=unc,
         chisqr=2.0 * float(value), n_data=m, n_evaluations=tracker.n_calls,

@@ -213,9 +213,11 @@ def raw_to_values(model: Any) -> Any:
     return jax.tree.map(leaf, model, is_leaf=_is_transform)
 
 
-def for_values(unc: Uncertainty, re: Restructure, x: Float[Array, " n"]) -> Uncertainty:
-    """`unc` for the constrained values when the model has transforms."""
-    if not has_transforms(re(jnp.asarray(x))):
+def for_values(
+    unc: Uncertainty, re: Restructure, x: Float[Array, " n"], model: Any
+) -> Uncertainty:
+    """`unc` for the constrained values when `model` (= `re(x)`) has transforms."""
+    if not has_transforms(model):
         return unc
     return dataclasses.replace(
         unc,

@@ -218,9 +218,8 @@ def hessian_uncertainty(
     from ._transforms import for_values, unwrap
 
     hess = jax.jit(jax.hessian(lambda x: loss(unwrap(re(x)), *args)))(x)
-    unc = for_values(
-        from_hessian(np.asarray(hess), result.loss, re, scale, n_data), re, x
-    )
+    unc = from_hessian(np.asarray(hess), result.loss, re, scale, n_data)
+    unc = for_values(unc, re, x, result.model)
     if scale == "nll":
         return dataclasses.replace(result, uncertainty=unc)
     assert n_data is not None  # from_hessian checked
