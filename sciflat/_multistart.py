@@ -7,7 +7,8 @@ from typing import Any, Generic, TypeVar
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, PyTree
+import numpy.typing as npt
+from jaxtyping import Array, Float
 
 from ._flatten import Restructure, destructure
 from ._floats import promote_floats
@@ -33,7 +34,7 @@ class MultiStartResult(Generic[_M]):
 
     best: FitResult[_M]
     results: list[FitResult[_M]]
-    starts: np.ndarray
+    starts: npt.NDArray[np.float64]
 
     def __str__(self) -> str:
         losses = ", ".join(
@@ -54,7 +55,7 @@ def multistart(
     args: tuple[Any, ...] = (),
     bounds: Any = None,
     key: jax.Array | None = None,
-    filter_spec: PyTree[bool] = True,
+    filter_spec: Any = True,
     **kwargs: Any,
 ) -> MultiStartResult[_M]:
     """Runs `fit` (`sciflat.least_squares` or `sciflat.minimize`) from several starts.
@@ -108,7 +109,9 @@ def _call(fit, loss, re: Restructure, args: tuple, x0, kwargs: dict) -> FitResul
     return fit(loss, re, args=args, x0=jnp.asarray(x0), **kwargs)
 
 
-def _starts(starts, p, re: Restructure, bounds, key, filter_spec) -> np.ndarray:
+def _starts(
+    starts, p, re: Restructure, bounds, key, filter_spec
+) -> npt.NDArray[np.float64]:
     n = len(re)
     if isinstance(starts, int):
         if starts < 1:

@@ -24,7 +24,7 @@ def _number(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.6g}"
 
 
-def report(result: "FitResult", min_correlation: float) -> str:
+def report(result: "FitResult[Any]", min_correlation: float) -> str:
     lines = ["[[Fit Statistics]]"]
     stats = [
         (
@@ -83,7 +83,7 @@ def report(result: "FitResult", min_correlation: float) -> str:
 
 
 def plot_fit(
-    result: "FitResult",
+    result: "FitResult[Any]",
     predict: Callable[..., Any],
     x: Any,
     y: Any,

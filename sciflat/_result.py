@@ -7,7 +7,8 @@ from typing import Any, Generic, Literal, TypeVar
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, PyTree
+import numpy.typing as npt
+from jaxtyping import Array, Float
 
 from ._flatten import Restructure
 from ._uncertainty import Uncertainty
@@ -61,7 +62,7 @@ class FitResult(Generic[_M]):
     loss: float
     status: Status
     message: str
-    history: np.ndarray
+    history: npt.NDArray[np.float64]
     n_steps: int
     raw: Any = None
     re: Restructure[_M] | None = None
@@ -76,7 +77,7 @@ class FitResult(Generic[_M]):
         return self.status == "converged"
 
     @property
-    def stderr(self) -> PyTree[Float[Array, "..."] | None]:
+    def stderr(self) -> Any:
         """Standard errors in the model's own structure: each trainable leaf holds
         those of its entries (NaN where the data do not determine them), frozen and
         non-array leaves are None. Raises a ValueError if there is no uncertainty."""
@@ -84,12 +85,12 @@ class FitResult(Generic[_M]):
         return _model_shaped(re, unc.stderr)
 
     @property
-    def covariance(self) -> np.ndarray:
+    def covariance(self) -> npt.NDArray[np.float64]:
         """The `(n, n)` covariance of `p` (see [`sciflat.Uncertainty`][])."""
         return self._need_uncertainty()[0].covariance
 
     @property
-    def correlation(self) -> np.ndarray:
+    def correlation(self) -> npt.NDArray[np.float64]:
         """The `(n, n)` correlation matrix of `p`."""
         return self._need_uncertainty()[0].correlation
 
@@ -141,7 +142,7 @@ class FitResult(Generic[_M]):
         return self.uncertainty, self.re
 
 
-def _model_shaped(re: Restructure, flat: np.ndarray) -> PyTree:
+def _model_shaped(re: Restructure[Any], flat: npt.NDArray[np.float64]) -> Any:
     """`flat` (one value per entry of `p`) in the model's structure; leaves not in `p`
     are None."""
     from ._transforms import raw_to_values

@@ -75,6 +75,8 @@ class Positive(Transform):
     - `value`: the starting value (> 0), a number or an array.
     """
 
+    raw: Float[Array, "..."]
+
     def __init__(self, value: ArrayLike):
         self.raw = jnp.asarray(_raw(value, lambda v: np.log(np.expm1(v)), "Positive"))
 
@@ -96,6 +98,8 @@ class Log(Transform):
 
     - `value`: the starting value (> 0), a number or an array.
     """
+
+    raw: Float[Array, "..."]
 
     def __init__(self, value: ArrayLike):
         self.raw = jnp.asarray(_raw(value, np.log, "Log"))
@@ -122,6 +126,8 @@ class Interval(Transform):
 
     lower: float = eqx.field(static=True)
     upper: float = eqx.field(static=True)
+
+    raw: Float[Array, "..."]
 
     def __init__(self, value: ArrayLike, lower: float, upper: float):
         if not float(lower) < float(upper):

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy.typing as npt
 
 from ._flatten import Restructure
 
@@ -47,8 +48,8 @@ class Uncertainty:
         combination of parameter names (`"0.71 ['a'] + 0.71 ['b']"`).
     """
 
-    covariance: np.ndarray
-    re: Restructure = dataclasses.field(repr=False)
+    covariance: npt.NDArray[np.float64]
+    re: Restructure[Any] = dataclasses.field(repr=False)
     scale: str
     unidentifiable: tuple[str, ...] = ()
 
@@ -58,12 +59,12 @@ class Uncertainty:
         return entry_names(self.re)
 
     @property
-    def stderr(self) -> np.ndarray:
+    def stderr(self) -> npt.NDArray[np.float64]:
         """Standard errors in `p` order (NaN where unidentifiable)."""
         return np.sqrt(np.diag(self.covariance))
 
     @property
-    def correlation(self) -> np.ndarray:
+    def correlation(self) -> npt.NDArray[np.float64]:
         """The correlation matrix in `p` order."""
         s = self.stderr
         with np.errstate(invalid="ignore", divide="ignore"):
@@ -88,7 +89,7 @@ def entry_names(re: Restructure) -> tuple[str, ...]:
 
 
 def _inverse(
-    a: np.ndarray, re: Restructure, squared: bool
+    a: npt.NDArray[np.float64], re: Restructure, squared: bool
 ) -> tuple[np.ndarray, tuple[str, ...]]:
     """(JᵀJ)⁺ from J (`squared`) or H⁺ from a symmetric H, column-scaled, with the
     parameters of every dropped direction set to NaN."""
