@@ -68,3 +68,26 @@ def test_sampling_needs_finite_bounds_and_starts_of_the_model_structure():
             sciflat.least_squares, residuals, {"w": 1.0}, [{"w": 1.0}, {"v": 2.0}],
             args=(X, Y),
         )  # fmt: skip
+
+
+def test_optax_fit_runs_every_start_in_one_vmapped_call_as_fit_would():
+    import optax
+
+    loss = lambda m, x, y: jnp.mean((jnp.sin(m["w"] * x) - y) ** 2)
+    starts = [{"w": 1.0}, {"w": 3.0}, {"w": 3.5}]
+    runs = sciflat.multistart(
+        sciflat.fit, loss, {"w": 1.0}, starts, args=(X, Y),
+        optimizer=optax.adam(0.05), steps=200,
+    )  # fmt: skip
+    assert len(runs.results) == 3 and runs.best is not runs.results[0]
+    assert float(runs.best.model["w"]) == pytest.approx(3.3, rel=1e-3)
+    # The reference: sciflat.fit itself from each start.
+    for start, got in zip(starts, runs.results, strict=True):
+        want = sciflat.fit(
+            loss, {"w": jnp.asarray(start["w"])}, optax.adam(0.05), steps=200,
+            args=(X, Y), progress=False,
+        )  # fmt: skip
+        np.testing.assert_allclose(got.p, want.p, rtol=1e-10)
+        np.testing.assert_allclose(got.history, want.history, rtol=1e-10)
+    with pytest.raises(TypeError, match="needs `optimizer=` and `steps=`"):
+        sciflat.multistart(sciflat.fit, loss, {"w": 1.0}, starts, args=(X, Y))
