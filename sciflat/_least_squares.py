@@ -84,7 +84,9 @@ def least_squares(
 
     **Returns:**
 
-    A [`sciflat.FitResult`][] whose `loss` is SciPy's `cost`; `raw` is SciPy's result.
+    A [`sciflat.FitResult`][] whose `loss` is SciPy's `cost`; `raw` is SciPy's result;
+    `stderr`, `covariance`, `chisqr`, ... and `print(result)` as in
+    [Parameter estimation](parameter_estimation.md).
     """
     if clash := [k for k in _OURS if k in kwargs]:
         raise TypeError(f"`least_squares` handles {clash} itself; do not pass them.")
@@ -92,10 +94,8 @@ def least_squares(
         raise ValueError(f"`method` must be one of {_METHODS}, got {method!r}.")
     if method == "lm" and bounds is not None:
         raise ValueError("`method='lm'` does not take bounds; use 'trf' or 'dogbox'.")
-    model = promote_floats(model, "least_squares")
-    residuals = unwrapping(
-        residuals
-    )  # the loss sees the values of `Transform`s  # {"b1": 500.0}: b1 is fitted
+    model = promote_floats(model, "least_squares")  # {"b1": 500.0}: b1 is fitted
+    residuals = unwrapping(residuals)  # they see the values of `sciflat.Transform`s
     start, re = sp.start(model, x0, filter_spec, "least_squares")
     lb_ub = flat_bounds(bounds, re, start)
     # Bridge to scipyperf's `args=(...)` (the merge keeps theirs): both accepted here.

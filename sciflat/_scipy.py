@@ -120,10 +120,8 @@ def minimize(
     if clash := [k for k in _OURS if k in kwargs]:
         raise TypeError(f"`minimize` computes {clash} itself; do not pass them.")
     name = _check_method(method, bounds)
-    model = promote_floats(model, "minimize")
-    loss = unwrapping(
-        loss
-    )  # the loss sees the values of `Transform`s  # {"b1": 500.0}: b1 is fitted
+    model = promote_floats(model, "minimize")  # {"b1": 500.0}: b1 is fitted
+    loss = unwrapping(loss)  # it sees the values of `sciflat.Transform`s
     start, re = sp.start(model, x0, filter_spec, "minimize")
     scipy_bounds = flat_bounds(bounds, re, start)
     # Bridge to scipyperf's `args=(...)` (the merge keeps theirs): both accepted here.
