@@ -7,7 +7,19 @@ from ._audit_report import DtypeReport as DtypeReport, Finding as Finding
 from ._diffrax import VectorField as VectorField, vector_field as vector_field
 from ._flatten import Restructure as Restructure, destructure as destructure
 from ._io import load as load, save as save
+from ._report import plot_fit as plot_fit
 from ._result import FitResult as FitResult
+from ._transforms import (
+    Interval as Interval,
+    Log as Log,
+    Positive as Positive,
+    Transform as Transform,
+    unwrap as unwrap,
+)
+from ._uncertainty import (
+    Uncertainty as Uncertainty,
+    hessian_uncertainty as hessian_uncertainty,
+)
 
 
 # The fits load Optax, `scipy.optimize` and tqdm: imported on first use, so that
@@ -15,9 +27,19 @@ from ._result import FitResult as FitResult
 if typing.TYPE_CHECKING:
     from ._fit import fit as fit
     from ._least_squares import least_squares as least_squares
+    from ._multistart import (
+        MultiStartResult as MultiStartResult,
+        multistart as multistart,
+    )
     from ._scipy import minimize as minimize
 
-_LAZY = {"fit": "._fit", "least_squares": "._least_squares", "minimize": "._scipy"}
+_LAZY = {
+    "fit": "._fit",
+    "least_squares": "._least_squares",
+    "minimize": "._scipy",
+    "multistart": "._multistart",
+    "MultiStartResult": "._multistart",
+}
 
 
 def __getattr__(name: str) -> typing.Any:

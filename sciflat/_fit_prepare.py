@@ -21,6 +21,7 @@ from ._fit_step import check_loss_output, make_step, reuses_value, strong
 from ._flatten import Restructure, destructure
 from ._layout import names, nonfinite_paths
 from ._sharding import place
+from ._transforms import unwrapping
 
 
 @dataclasses.dataclass
@@ -54,6 +55,7 @@ def prepare(
     resume,
 ) -> Prepared:
     _validate(loss, optimizer, steps, batches, args, checkpoint, checkpoint_every)
+    loss = unwrapping(loss)  # the loss sees the values of `sciflat.Transform`s
     p, re = destructure(model, filter_spec, dtype=dtype)
     if len(re) == 0:
         raise ValueError(

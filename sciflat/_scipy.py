@@ -10,8 +10,10 @@ import scipy.optimize
 from jaxtyping import Array, Float, PyTree, Scalar
 
 from . import _scipy_problem as sp
+from ._floats import promote_floats
 from ._result import FitResult, Status
 from ._scipy_bounds import flat_bounds
+from ._transforms import unwrapping
 
 
 _M = TypeVar("_M")
@@ -124,6 +126,8 @@ def minimize(
         raise TypeError(f"`minimize` computes {clash} itself; do not pass them.")
     name = _check_method(method, bounds)
     args = sp.check_args(args, "minimize")
+    model = promote_floats(model, "minimize")  # {"b1": 500.0}: b1 is fitted
+    loss = unwrapping(loss)  # it sees the values of `sciflat.Transform`s
     start, re = sp.start(model, x0, filter_spec, "minimize")
     scipy_bounds = flat_bounds(bounds, re, start)
     programs = sp.Programs(_build, loss, re, args)
@@ -146,7 +150,7 @@ def minimize(
     return FitResult(
         model=re(p), p=p, loss=float(value), status=status,
         message=f"{message} (gradient: {used})", history=np.asarray(tracker.history),
-        n_steps=n, raw=res,
+        n_steps=n, raw=res, re=re, n_evaluations=tracker.n_calls,
     )  # fmt: skip
 
 

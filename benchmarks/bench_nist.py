@@ -1,0 +1,128 @@
+"""NIST StRD nonlinear regression: `sciflat.least_squares` (defaults) against lmfit.
+
+For every StRD file in `tests/data/nist_strd/` (or the ones named), from NIST's Start 1
+and Start 2: correct significant digits (LRE, the smallest over the parameters) of the
+values and of the standard errors against NIST's certified ones, and the time per fit.
+lmfit runs `lmfit.minimize` with its defaults (MINPACK's Levenberg–Marquardt, a finite
+difference Jacobian), as its own NIST tests do; sciflat runs `least_squares` with its
+defaults (trust-region reflective, a JAX forward-mode Jacobian). Both in one process,
+interleaved fit by fit, after one warm-up fit each (compilation excluded); medians over
+`--repeats`.
+
+    python benchmarks/bench_nist.py                  # about a minute
+    python benchmarks/bench_nist.py --repeats 3 Misra1a Chwirut2
+    python benchmarks/bench_nist.py path/to/BoxBOD.dat   # any StRD file
+"""
+
+import argparse
+import pathlib
+import statistics
+import sys
+import time
+
+import jax
+import lmfit
+import numpy as np
+
+
+jax.config.update("jax_enable_x64", True)
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import nist  # noqa: E402
+
+
+def fit_lmfit(problem: nist.Problem, start: int):
+    params = lmfit.Parameters()
+    for name, value in problem.start(start).items():
+        params.add(name, value=value)
+
+    def residuals(params, x, y):  # NumPy, as an lmfit user writes it
+        values = {k: params[k].value for k in problem.names}
+        return problem.f(values, x, numpy=True) - y
+
+    return lmfit.minimize(residuals, params, args=(problem.x, problem.y))
+
+
+def summary(values, stderr, problem: nist.Problem) -> tuple[float, float]:
+    value_digits = min(
+        nist.digits(v, c) for v, c in zip(values, problem.certified, strict=True)
+    )
+    stderr_digits = min(
+        nist.digits(s, c) if s is not None and np.isfinite(s) else 0.0
+        for s, c in zip(stderr, problem.certified_stderr, strict=True)
+    )
+    return value_digits, stderr_digits
+
+
+def run_one(problem: nist.Problem, start: int, repeats: int) -> dict:
+    ours = lambda: nist.fit(problem, start)
+    theirs = lambda: fit_lmfit(problem, start)
+    result, reference = ours(), theirs()  # warm-up: compiles sciflat's functions
+    times: dict[str, list[float]] = {"sciflat": [], "lmfit": []}
+    for _ in range(repeats):
+        for name, fn in (("sciflat", ours), ("lmfit", theirs)):
+            t0 = time.perf_counter()
+            out = fn()
+            if name == "sciflat":
+                jax.block_until_ready(out.p)
+            times[name].append(time.perf_counter() - t0)
+    ours_digits = summary(
+        [float(result.model[b]) for b in problem.names],
+        [float(result.stderr[b]) for b in problem.names],
+        problem,
+    )
+    theirs_digits = summary(
+        [reference.params[b].value for b in problem.names],
+        [reference.params[b].stderr for b in problem.names],
+        problem,
+    )
+    t_ours, t_theirs = (statistics.median(times[k]) for k in ("sciflat", "lmfit"))
+    return dict(
+        name=problem.name, start=start, ours=ours_digits, theirs=theirs_digits,
+        t_ours=t_ours, t_theirs=t_theirs, nfev=(result.n_evaluations, reference.nfev),
+        status=result.status,
+    )  # fmt: skip
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("problems", nargs="*", help="names in tests/data or .dat paths")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    problems = (
+        [nist.read(p) for p in args.problems] if args.problems else nist.problems()
+    )
+    rows = [run_one(p, s, args.repeats) for p in problems for s in (1, 2)]
+    print(
+        "| problem | start | digits sciflat | digits lmfit | stderr digits sciflat "
+        "| stderr digits lmfit | evaluations sciflat / lmfit | ms per fit sciflat "
+        "| ms per fit lmfit | time ratio sciflat / lmfit |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['name']} | {r['start']} | {r['ours'][0]:.1f} | {r['theirs'][0]:.1f} "
+            f"| {r['ours'][1]:.1f} | {r['theirs'][1]:.1f} | {r['nfev'][0]} / {r['nfev'][1]} "
+            f"| {1e3 * r['t_ours']:.2f} | {1e3 * r['t_theirs']:.2f} "
+            f"| {r['t_ours'] / r['t_theirs']:.2f} |"
+        )
+    col = lambda key, i: [r[key][i] for r in rows]
+    ratios = [r["t_ours"] / r["t_theirs"] for r in rows]
+    print(
+        f"\nmedian digits: sciflat {np.median(col('ours', 0)):.1f}, lmfit "
+        f"{np.median(col('theirs', 0)):.1f}; minimum: sciflat {min(col('ours', 0)):.1f}, "
+        f"lmfit {min(col('theirs', 0)):.1f}"
+    )
+    print(
+        f"median stderr digits: sciflat {np.median(col('ours', 1)):.1f}, lmfit "
+        f"{np.median(col('theirs', 1)):.1f}; minimum: sciflat {min(col('ours', 1)):.1f}, "
+        f"lmfit {min(col('theirs', 1)):.1f}"
+    )
+    print(
+        f"time ratio sciflat / lmfit: median {np.median(ratios):.2f}, "
+        f"max {max(ratios):.2f}"
+    )
+
+
+if __name__ == "__main__":
+    main()

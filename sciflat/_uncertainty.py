@@ -1,0 +1,228 @@
+"""Covariance, standard errors and correlations of fitted parameters.
+
+From the Jacobian J of the residuals (`least_squares`): cov = s² (JᵀJ)⁻¹ with the
+residual variance s² = Σr² / (m - n), as NIST certifies its standard deviations. From
+the Hessian H of the loss (`minimize`, on request): cov = H⁻¹ for a negative
+log-likelihood, or scaled for a sum or mean of squares. Both through an SVD of the
+column-scaled matrix, so that an ill-conditioned JᵀJ gives finite errors where the
+data determine the parameters and names the directions they do not determine.
+"""
+
+import dataclasses
+import functools as ft
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpy.typing as npt
+
+from ._flatten import Restructure
+
+
+if TYPE_CHECKING:
+    from ._result import FitResult
+
+_M = TypeVar("_M")
+
+
+# A direction is unidentifiable when its singular value, relative to the largest, is
+# below what float64 can resolve for a matrix of this size (as `np.linalg.pinv`).
+def _rank_cutoff(shape: tuple[int, ...]) -> float:
+    return max(shape) * float(np.finfo(np.float64).eps)
+
+
+@dataclasses.dataclass(frozen=True)
+class Uncertainty:
+    """The covariance of the fitted parameters, in `p` order, and how it was scaled.
+
+    **Fields:**
+
+    - `covariance`: `(n, n)` NumPy array; rows and columns of parameters in an
+        unidentifiable direction are NaN.
+    - `re`: the [`sciflat.Restructure`][] of `p`; `names` gives one name per entry
+        of `p` (`"['b1']"`, `".weight[0, 1]"`), a tied array once, under its first path.
+    - `scale`: a sentence saying how the covariance was scaled.
+    - `unidentifiable`: each direction of `p` the data do not determine, as a
+        combination of parameter names (`"0.71 ['a'] + 0.71 ['b']"`).
+    """
+
+    covariance: npt.NDArray[np.float64]
+    re: Restructure[Any] = dataclasses.field(repr=False)
+    scale: str
+    unidentifiable: tuple[str, ...] = ()
+
+    @ft.cached_property
+    def names(self) -> tuple[str, ...]:
+        """One name per entry of `p` (computed when first asked for)."""
+        return entry_names(self.re)
+
+    @property
+    def stderr(self) -> npt.NDArray[np.float64]:
+        """Standard errors in `p` order (NaN where unidentifiable)."""
+        return np.sqrt(np.diag(self.covariance))
+
+    @property
+    def correlation(self) -> npt.NDArray[np.float64]:
+        """The correlation matrix in `p` order."""
+        s = self.stderr
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return self.covariance / np.outer(s, s)
+
+
+def entry_names(re: Restructure) -> tuple[str, ...]:
+    """A name for every entry of `p`: the leaf's path, with the index for arrays."""
+    names = []
+    for entry in re.layout():
+        if entry["kind"] != "trainable" or entry["tied_to"] is not None:
+            continue
+        shape = tuple(entry["shape"])
+        parts = ("",) if entry["size"] == int(np.prod(shape)) else (".real", ".imag")
+        for part in parts:
+            if shape == ():
+                names.append(entry["path"] + part)
+                continue
+            for index in np.ndindex(*shape):
+                names.append(f"{entry['path']}{part}[{', '.join(map(str, index))}]")
+    return tuple(names)
+
+
+def _inverse(
+    a: npt.NDArray[np.float64], re: Restructure, squared: bool
+) -> tuple[np.ndarray, tuple[str, ...]]:
+    """(JᵀJ)⁺ from J (`squared`) or H⁺ from a symmetric H, column-scaled, with the
+    parameters of every dropped direction set to NaN."""
+    a = np.asarray(a, np.float64)
+    d = np.linalg.norm(a, axis=0) if squared else np.sqrt(np.abs(np.diag(a)))
+    d = np.where(d > 0, d, 1.0)
+    scaled = a / d if squared else a / np.outer(d, d)
+    if squared:
+        _, s, vt = np.linalg.svd(scaled, full_matrices=False)
+        values, vectors = s**2, vt.T
+    else:
+        values, vectors = np.linalg.eigh((scaled + scaled.T) / 2)
+    top = np.max(np.abs(values), initial=0.0)
+    # σ of J is known to eps σ_max, so σ² to eps² σ²_max; an AD Hessian to eps |H|.
+    cutoff = _rank_cutoff(a.shape) ** (2 if squared else 1) * top
+    keep = values > max(cutoff, np.finfo(np.float64).tiny)
+    inner = (vectors[:, keep] / values[keep]) @ vectors[:, keep].T
+    cov = inner / np.outer(d, d)
+    dropped = []
+    bad = np.zeros(len(d), bool)
+    names = entry_names(re) if not keep.all() else ()
+    for v in vectors[:, ~keep].T:
+        weights = v / d  # back in the parameters' own units
+        weights = weights / np.max(np.abs(weights))
+        involved = np.abs(weights) > 1e-3
+        bad |= involved
+        terms = [f"{w:+.2g} {names[i]}" for i, w in enumerate(weights) if involved[i]]
+        dropped.append(" ".join(terms).lstrip("+"))
+    cov[bad, :] = np.nan
+    cov[:, bad] = np.nan
+    return cov, tuple(dropped)
+
+
+def from_jacobian(jac, cost: float, re: Restructure) -> Uncertainty:
+    """cov = s² (JᵀJ)⁻¹, s² = 2 cost / (m - n): the least-squares covariance."""
+    jac = np.asarray(jac, np.float64)
+    m, n = jac.shape
+    inner, dropped = _inverse(jac, re, squared=True)
+    # An undetermined direction is no degree of freedom used by the fit.
+    rank = n - len(dropped)
+    dof = m - rank
+    s2 = 2.0 * cost / dof if dof > 0 else np.nan
+    scale = (
+        f"s² (JᵀJ)⁻¹ with the residual variance s² = Σr² / (m - n) = {s2:.6g} "
+        f"(m = {m} residuals, n = {rank} determined parameters)"
+    )
+    if dof <= 0:
+        scale += ": undefined, there are no more residuals than parameters"
+    return Uncertainty(s2 * inner, re, scale, dropped)
+
+
+def from_hessian(
+    hess, loss: float, re: Restructure, scale: str, n_data: int | None
+) -> Uncertainty:
+    """The covariance from the Hessian of the loss at its minimum, scaled by `scale`."""
+    hess = np.asarray(hess, np.float64)
+    n = len(re)
+    inner, dropped = _inverse(hess, re, squared=False)
+    if scale == "nll":
+        return Uncertainty(
+            inner, re, "H⁻¹: the loss is a negative log-likelihood", dropped
+        )
+    if scale not in ("sse", "mse"):
+        raise ValueError(f"`scale` must be 'nll', 'sse' or 'mse', got {scale!r}.")
+    if n_data is None:
+        raise TypeError(f"`scale={scale!r}` needs `n_data=`: the number of residuals.")
+    dof = n_data - n
+    sse = loss if scale == "sse" else loss * n_data
+    s2 = sse / dof if dof > 0 else np.nan
+    # loss = Σr² has Hessian 2 JᵀJ; loss = Σr² / m has Hessian 2 JᵀJ / m.
+    factor = 2.0 * s2 if scale == "sse" else 2.0 * s2 / n_data
+    what = "Σr²" if scale == "sse" else "Σr² / m"
+    text = (
+        f"2 s² H⁻¹{'' if scale == 'sse' else ' / m'}: the loss is {what} with the "
+        f"residual variance s² = Σr² / (m - n) = {s2:.6g} (m = {n_data}, n = {n})"
+    )
+    return Uncertainty(factor * inner, re, text, dropped)
+
+
+def hessian_uncertainty(
+    result: "FitResult[_M]",
+    loss: Callable[..., Any],
+    *,
+    args: tuple[Any, ...] = (),
+    scale: Literal["nll", "sse", "mse"] = "nll",
+    n_data: int | None = None,
+) -> "FitResult[_M]":
+    """The result of [`sciflat.minimize`][] with its covariance, from the Hessian.
+
+    The Hessian H of `loss(model, *args)` with respect to `p`, at `result.p`, by JAX
+    (forward over reverse mode), inverted as in [`sciflat.Uncertainty`][]. What the
+    covariance means depends on what the loss is, so say it with `scale`:
+
+    - `"nll"`: a negative log-likelihood: cov = H⁻¹.
+    - `"sse"`: a sum of squared residuals Σr² over `n_data` residuals:
+        cov = 2 s² H⁻¹ with s² = Σr² / (n_data - n).
+    - `"mse"`: their mean Σr² / n_data: cov = 2 s² H⁻¹ / n_data.
+
+    !!! Example
+
+        ```python
+        sse = lambda m, x, y: jnp.sum((f(m, x) - y) ** 2)
+        result = sciflat.minimize(sse, model, args=(x, y))
+        result = sciflat.hessian_uncertainty(result, sse, args=(x, y), scale="sse",
+                                             n_data=len(y))
+        print(result)                 # values ± standard errors, correlations
+        ```
+
+    **Arguments:**
+
+    - `result`: what `minimize` returned (it carries `re`).
+    - `loss`, `args`: the loss the fit minimised and its data.
+    - `scale`: `"nll"`, `"sse"` or `"mse"`, as above.
+    - `n_data`: the number of residuals (for `"sse"` and `"mse"`).
+
+    **Returns:**
+
+    A copy of `result` with `uncertainty` set (and `chisqr`, `n_data` for sums of
+    squares).
+    """
+    if result.re is None:
+        raise ValueError(
+            "`result` has no `re` (a `fit` result): run `sciflat.minimize` first."
+        )
+    re = result.re
+    x = jnp.asarray(result.p, jnp.float64)
+    from ._transforms import for_values, unwrap
+
+    hess = jax.jit(jax.hessian(lambda x: loss(unwrap(re(x)), *args)))(x)
+    unc = from_hessian(np.asarray(hess), result.loss, re, scale, n_data)
+    unc = for_values(unc, re, x, result.model)
+    if scale == "nll":
+        return dataclasses.replace(result, uncertainty=unc)
+    assert n_data is not None  # from_hessian checked
+    chisqr = result.loss if scale == "sse" else result.loss * n_data
+    return dataclasses.replace(result, uncertainty=unc, chisqr=chisqr, n_data=n_data)

@@ -1,0 +1,93 @@
+"""Multi-start: the best of several starts, compiled once."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sciflat
+
+
+X = jnp.linspace(0.0, 6.0, 60)
+Y = jnp.sin(3.3 * X)
+
+
+def make_residuals(traces):
+    def residuals(m, x, y):
+        traces.append(1)  # runs at trace time only
+        return jnp.sin(m["w"] * x) - y
+
+    return residuals
+
+
+def test_sampled_starts_find_the_global_minimum_with_one_compile():
+    single, many = [], []
+    # From w = 1 alone the fit stops in a local minimum.
+    alone = sciflat.least_squares(
+        make_residuals(single), {"w": 1.0}, args=(X, Y), progress=False
+    )
+    assert abs(float(alone.model["w"]) - 3.3) > 0.1
+    runs = sciflat.multistart(
+        sciflat.least_squares, make_residuals(many), {"w": 1.0}, 12, args=(X, Y),
+        bounds={"['w']": (0.5, 5.0)},
+    )  # fmt: skip
+    assert len(runs.results) == 12 and runs.starts.shape == (12, 1)
+    assert runs.starts[0, 0] == 1.0 and np.all(
+        (runs.starts >= 0.5) & (runs.starts <= 5.0)
+    )
+    assert float(runs.best.model["w"]) == pytest.approx(3.3, rel=1e-8)
+    assert runs.best.loss == min(r.loss for r in runs.results if r.success)
+    # Twelve fits traced no more often than one (fewer if a cache already has it).
+    assert 0 < len(single) and len(many) <= len(single)
+    assert "12 starts" in str(runs) and "[[Variables]]" in str(runs)
+
+
+def test_given_starts_as_models_and_as_vectors():
+    residuals = make_residuals([])
+    loss = lambda m, x, y: jnp.sum(residuals(m, x, y) ** 2)
+    runs = sciflat.multistart(
+        sciflat.minimize, loss, {"w": 1.0}, [{"w": 1.0}, {"w": 3.0}], args=(X, Y)
+    )
+    assert float(runs.best.model["w"]) == pytest.approx(3.3, rel=1e-6)
+    assert runs.starts.tolist() == [[1.0], [3.0]] and len(runs.results) == 2
+    vectors = sciflat.multistart(
+        sciflat.least_squares,
+        residuals,
+        {"w": 1.0},
+        np.array([[3.0], [1.0]]),
+        args=(X, Y),
+    )
+    assert vectors.best is vectors.results[0]
+
+
+def test_sampling_needs_finite_bounds_and_starts_of_the_model_structure():
+    residuals = make_residuals([])
+    with pytest.raises(ValueError, match="both bounds finite"):
+        sciflat.multistart(sciflat.least_squares, residuals, {"w": 1.0}, 3, args=(X, Y))
+    with pytest.raises(ValueError, match=r"`starts\[1\]` does not have the model's"):
+        sciflat.multistart(
+            sciflat.least_squares, residuals, {"w": 1.0}, [{"w": 1.0}, {"v": 2.0}],
+            args=(X, Y),
+        )  # fmt: skip
+
+
+def test_optax_fit_runs_every_start_in_one_vmapped_call_as_fit_would():
+    import optax
+
+    loss = lambda m, x, y: jnp.mean((jnp.sin(m["w"] * x) - y) ** 2)
+    starts = [{"w": 1.0}, {"w": 3.0}, {"w": 3.5}]
+    runs = sciflat.multistart(
+        sciflat.fit, loss, {"w": 1.0}, starts, args=(X, Y),
+        optimizer=optax.adam(0.05), steps=200,
+    )  # fmt: skip
+    assert len(runs.results) == 3 and runs.best is not runs.results[0]
+    assert float(runs.best.model["w"]) == pytest.approx(3.3, rel=1e-3)
+    # The reference: sciflat.fit itself from each start.
+    for start, got in zip(starts, runs.results, strict=True):
+        want = sciflat.fit(
+            loss, {"w": jnp.asarray(start["w"])}, optax.adam(0.05), steps=200,
+            args=(X, Y), progress=False,
+        )  # fmt: skip
+        np.testing.assert_allclose(got.p, want.p, rtol=1e-10)
+        np.testing.assert_allclose(got.history, want.history, rtol=1e-10)
+    with pytest.raises(TypeError, match="needs `optimizer=` and `steps=`"):
+        sciflat.multistart(sciflat.fit, loss, {"w": 1.0}, starts, args=(X, Y))

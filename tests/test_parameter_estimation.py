@@ -1,0 +1,231 @@
+"""Parameter estimation: the result is honest (defects of issue 12) and carries
+standard errors, correlations and a report, checked against closed forms."""
+
+import equinox as eqx
+import hypothesis.strategies as st
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+import sciflat
+
+
+def lsq(residuals, model, args=(), **kwargs):
+    return sciflat.least_squares(residuals, model, args=args, progress=False, **kwargs)
+
+
+def mini(loss, model, args=(), **kwargs):
+    return sciflat.minimize(loss, model, args=args, progress=False, **kwargs)
+
+
+def exponential(m, x, y):
+    return m["b1"] * (1 - jnp.exp(-m["b2"] * x)) - y
+
+
+# NIST BoxBOD (higher difficulty): data and certified values from NIST's StRD.
+BOXBOD_X = jnp.array([1.0, 2, 3, 5, 7, 10])
+BOXBOD_Y = jnp.array([109.0, 149, 149, 191, 213, 224])
+BOXBOD = {
+    "b1": (2.1380940889e02, 1.2354515176e01),
+    "b2": (5.4723748542e-01, 1.0455993237e-01),
+}
+
+
+def digits(estimate, certified):
+    return -np.log10(abs(float(estimate) - certified) / abs(certified))
+
+
+#
+# Defects
+#
+
+
+def test_overflowing_sum_of_squares_is_not_nonfinite():
+    # From Start 1 a trial step makes the residuals finite but their squares overflow;
+    # SciPy shrinks the step. (`filterwarnings = error`: no overflow warning either.)
+    start = {"b1": jnp.asarray(1.0), "b2": jnp.asarray(1.0)}
+    res = lsq(exponential, start, (BOXBOD_X, BOXBOD_Y))
+    assert res.status == "converged", res.message
+    for name, (value, stderr) in BOXBOD.items():
+        assert digits(res.model[name], value) >= 6
+        assert digits(res.stderr[name], stderr) >= 4
+
+
+@pytest.mark.parametrize(
+    "start",
+    [{"b1": 500.0, "b2": 1e-4}, {"b1": 500.0, "b2": jnp.asarray(1e-4)}, [500.0, 1e-4]],
+    ids=["floats", "mixed", "list"],
+)
+def test_python_floats_in_plain_containers_are_fitted(start):
+    x = jnp.linspace(50.0, 800.0, 14)
+    y = 240.0 * (1 - jnp.exp(-5.5e-4 * x))
+    as_dict = (
+        (lambda m: m) if isinstance(start, dict) else (lambda m: dict(b1=m[0], b2=m[1]))
+    )
+    res = lsq(lambda m, x, y: exponential(as_dict(m), x, y), start, (x, y))
+    fitted = as_dict(res.model)
+    assert res.success and len(res.p) == 2
+    assert float(fitted["b1"]) == pytest.approx(240.0, rel=1e-8)
+    assert float(fitted["b2"]) == pytest.approx(5.5e-4, rel=1e-8)
+    # minimize, too.
+    sse = lambda m, x, y: jnp.sum(exponential(as_dict(m), x, y) ** 2)
+    assert len(mini(sse, start, (x, y)).p) == 2
+
+
+class Rate(eqx.Module):
+    rate: float  # a Python float field: static, as everywhere in Equinox
+
+
+def test_a_module_with_only_float_fields_says_how_to_fit_them():
+    with pytest.raises(ValueError, match=r"`\.rate`.*jnp\.asarray"):
+        lsq(lambda m, x: m.rate * x - 1.0, Rate(0.5), (jnp.ones(3),))
+
+
+def test_a_float_field_of_a_module_stays_static():
+    model = {"w": jnp.asarray(0.0), "drop": eqx.nn.Dropout(0.25)}
+    res = lsq(lambda m, x: m["w"] - x, model, (jnp.ones(3),))
+    assert len(res.p) == 1 and res.model["drop"].p == 0.25
+    assert type(res.model["drop"].p) is float
+
+
+def test_max_steps_is_not_success_and_says_what_to_change():
+    start = {"b1": jnp.asarray(1.0), "b2": jnp.asarray(1.0)}
+    res = lsq(exponential, start, (BOXBOD_X, BOXBOD_Y), max_nfev=3)
+    assert res.status == "max_steps" and not res.success
+    assert "Raise `max_nfev` (it was 3)" in res.message
+    assert res.raw is not None and not res.raw.success  # as SciPy says
+
+
+#
+# Uncertainty against the closed form of linear regression
+#
+
+
+def line(m, x, y):
+    return m["a"] + m["b"] * x - y
+
+
+@pytest.fixture(scope="module")
+def line_data():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(np.linspace(0.0, 3.0, 20))
+    return x, jnp.asarray(1.0 + 2.0 * x + 0.1 * rng.standard_normal(20))
+
+
+def closed_form(x, y):
+    design = np.stack([np.ones_like(x), x], 1)
+    coef, rss, *_ = np.linalg.lstsq(design, y, rcond=None)
+    s2 = rss[0] / (len(x) - 2)
+    return coef, s2 * np.linalg.inv(design.T @ design), rss[0]
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), noise=st.floats(1e-3, 10.0))
+def test_least_squares_covariance_is_the_closed_form(seed, noise):
+    rng = np.random.default_rng(seed)
+    x = np.sort(rng.uniform(-2.0, 5.0, 20))
+    y = 1.0 - 3.0 * x + noise * rng.standard_normal(20)
+    coef, cov, rss = closed_form(x, y)
+    res = lsq(line, {"a": 0.0, "b": 0.0}, (jnp.asarray(x), jnp.asarray(y)))
+    np.testing.assert_allclose(res.p, coef, rtol=1e-8, atol=1e-10)
+    np.testing.assert_allclose(res.covariance, cov, rtol=1e-6)
+    assert float(res.stderr["b"]) == pytest.approx(np.sqrt(cov[1, 1]), rel=1e-6)
+    corr = cov[0, 1] / np.sqrt(cov[0, 0] * cov[1, 1])
+    assert res.correlation[0, 1] == pytest.approx(corr, rel=1e-6)
+    assert res.chisqr == pytest.approx(rss, rel=1e-8) and res.n_data == 20
+    assert res.redchi == pytest.approx(rss / 18, rel=1e-8)
+    assert res.aic == pytest.approx(20 * np.log(rss / 20) + 4, rel=1e-8)
+
+
+@pytest.mark.parametrize("scale", ["sse", "mse", "nll"])
+def test_minimize_covariance_from_the_hessian(line_data, scale):
+    x, y = line_data
+    _, cov, rss = closed_form(np.asarray(x), np.asarray(y))
+    sigma = 0.1
+    losses = {
+        "sse": lambda m, x, y: jnp.sum(line(m, x, y) ** 2),
+        "mse": lambda m, x, y: jnp.mean(line(m, x, y) ** 2),
+        "nll": lambda m, x, y: 0.5 * jnp.sum(line(m, x, y) ** 2) / sigma**2,
+    }
+    loss = losses[scale]
+    res = mini(loss, {"a": 0.0, "b": 0.0}, (x, y), options=dict(gtol=1e-12))
+    res = sciflat.hessian_uncertainty(res, loss, args=(x, y), scale=scale, n_data=20)
+    design = np.stack([np.ones_like(x), x], 1)
+    want = sigma**2 * np.linalg.inv(design.T @ design) if scale == "nll" else cov
+    np.testing.assert_allclose(res.covariance, want, rtol=1e-5)
+    if scale != "nll":
+        assert res.chisqr == pytest.approx(rss, rel=1e-6)
+
+
+def test_unidentifiable_direction_is_named_and_the_rest_is_exact(line_data):
+    x, y = line_data
+    # Only a + c is determined: their standard errors are NaN, b's is the closed form.
+    res = lsq(
+        lambda m, x, y: m["a"] + m["c"] + m["b"] * x - y,
+        {"a": 0.0, "b": 0.0, "c": 0.0},
+        (x, y),
+    )
+    _, cov, _ = closed_form(np.asarray(x), np.asarray(y))
+    assert np.isnan(res.stderr["a"]) and np.isnan(res.stderr["c"])
+    assert float(res.stderr["b"]) == pytest.approx(np.sqrt(cov[1, 1]), rel=1e-6)
+    (direction,) = res.uncertainty.unidentifiable
+    assert "['a']" in direction and "['c']" in direction and "['b']" not in direction
+    assert "not determined by the data: 1 a -1 c" in str(res)
+
+
+def test_tied_parameters_count_once_and_frozen_have_none(line_data):
+    x, y = line_data
+    slope = jnp.asarray(1.0)
+    model = {"a": jnp.asarray(0.0), "b1": slope, "b2": slope, "k": jnp.asarray(0.5)}
+    res = lsq(
+        lambda m, x, y: m["a"] + m["b1"] * x + m["k"] * m["b2"] * x - y, model, (x, y),
+        filter_spec={"a": True, "b1": True, "b2": True, "k": False},
+    )  # fmt: skip
+    # y = a + 1.5 b x: the closed form's slope error divided by 1.5.
+    _, cov, _ = closed_form(np.asarray(x), np.asarray(y))
+    assert len(res.p) == 2 and res.covariance.shape == (2, 2)
+    assert float(res.stderr["b1"]) == pytest.approx(np.sqrt(cov[1, 1]) / 1.5, rel=1e-6)
+    assert float(res.stderr["b2"]) == float(res.stderr["b1"])
+    assert res.stderr["k"] is None
+
+
+def test_report_reads_like_lmfit(line_data):
+    x, y = line_data
+    res = lsq(line, {"a": 0.0, "b": 0.0}, (x, y))
+    text = str(res)
+    assert text == res.report()
+    for piece in ("[[Fit Statistics]]", "chi-square:", "reduced chi-square:", "Akaike info crit:",
+                  "Bayesian info crit:", "function evals:", "converged (success)", "[[Variables]]",
+                  "[[Correlations]]", "C(a, b)"):  # fmt: skip
+        assert piece in text, piece
+    b = float(res.model["b"])
+    assert f"b:  {b: .8g} +/- {float(res.stderr['b']):.4g}" in text
+    # Correlations below the threshold are left out.
+    assert "C(a, b)" not in res.report(min_correlation=1.0)
+
+
+def test_result_without_uncertainty_says_how_to_get_it(line_data):
+    x, y = line_data
+    res = mini(
+        lambda m, x, y: jnp.sum(line(m, x, y) ** 2), {"a": 0.0, "b": 0.0}, (x, y)
+    )
+    with pytest.raises(ValueError, match="hessian_uncertainty"):
+        res.stderr  # noqa: B018
+    assert "[[Variables]]" in str(res)
+
+
+def test_plot_fit_draws_data_fit_and_residuals(line_data, tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    x, y = line_data
+    res = lsq(line, {"a": 0.0, "b": 0.0}, (x, y))
+    fig = sciflat.plot_fit(res, lambda m, x: m["a"] + m["b"] * x, x, y)
+    top, bottom = fig.axes
+    assert len(top.lines) == 2  # data and fit
+    np.testing.assert_allclose(
+        bottom.lines[0].get_ydata(), np.asarray(line(res.model, x, y))
+    )
+    fig.savefig(tmp_path / "fit.png")
+    assert (tmp_path / "fit.png").stat().st_size > 1000

@@ -1,0 +1,109 @@
+"""Per-leaf transforms: `p` is unconstrained, the loss sees constrained values, and
+standard errors are those of the constrained values (delta method)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import sciflat
+
+
+def lsq(residuals, model, args=(), **kwargs):
+    return sciflat.least_squares(residuals, model, args=args, progress=False, **kwargs)
+
+
+X = jnp.linspace(0.1, 3.0, 25)
+Y = 2.5 * jnp.exp(-0.7 * X) + 0.02 * jnp.asarray(
+    np.random.default_rng(1).standard_normal(25)
+)
+
+
+def decay(m, x, y):
+    return m["a"] * jnp.exp(-m["k"] * x) - y
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return lsq(decay, {"a": 1.0, "k": 1.0}, (X, Y))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda v: sciflat.Positive(v),
+        lambda v: sciflat.Log(v),
+        lambda v: sciflat.Interval(v, 0.0, 10.0),
+    ],
+    ids=["positive", "log", "interval"],
+)
+def test_transformed_fit_has_the_values_and_standard_errors_of_the_plain_one(
+    plain, make
+):
+    # A reparametrisation moves neither the minimum nor (delta method, exact at the
+    # minimum for least squares) the standard errors of the constrained values.
+    res = lsq(decay, {"a": make(1.0), "k": make(1.0)}, (X, Y))
+    values = sciflat.unwrap(res.model)
+    for name in ("a", "k"):
+        assert float(values[name]) == pytest.approx(float(plain.model[name]), rel=1e-7)
+        assert float(res.stderr[name]) == pytest.approx(
+            float(plain.stderr[name]), rel=1e-5
+        )
+    np.testing.assert_allclose(res.correlation, plain.correlation, rtol=1e-5)
+    assert "delta method" in res.uncertainty.scale
+    text = str(res)
+    assert f"k:  {float(values['k']): .8g} +/- " in text
+
+
+def test_constructors_store_the_inverse_and_unwrap_gives_the_value():
+    for t, v in [
+        (sciflat.Positive(np.array([0.5, 3.0])), [0.5, 3.0]),
+        (sciflat.Log(1e-3), 1e-3),
+        (sciflat.Interval(0.25, 0.0, 1.0), 0.25),
+    ]:
+        np.testing.assert_allclose(t.value, v, rtol=1e-12)
+    model = {"k": sciflat.Positive(2.0), "c": jnp.asarray(1.0)}
+    assert float(sciflat.unwrap(model)["k"]) == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="outside its domain"):
+        sciflat.Positive(-1.0)
+    with pytest.raises(ValueError, match="lower < upper"):
+        sciflat.Interval(0.5, 1.0, 0.0)
+
+
+def test_unbounded_methods_respect_the_constraint():
+    # The data want a negative slope; the positive parameter goes to the boundary
+    # instead, with BFGS (no bounds), `lm` and Adam.
+    x = jnp.linspace(0.0, 1.0, 10)
+    loss = lambda m, x: jnp.sum((m["s"] * x + x) ** 2)
+    start = {"s": sciflat.Positive(1.0)}
+    res = sciflat.minimize(loss, start, args=(x,), method="BFGS", progress=False)
+    assert 0 < float(sciflat.unwrap(res.model)["s"]) < 1e-3
+    res = lsq(lambda m, x: m["s"] * x + x, start, (x,), method="lm")
+    assert 0 < float(sciflat.unwrap(res.model)["s"]) < 1e-3
+    res = sciflat.fit(
+        loss, start, optax.adam(0.1), steps=300, args=(x,), progress=False
+    )
+    assert 0 < float(sciflat.unwrap(res.model)["s"]) < 0.05
+
+
+def test_hessian_uncertainty_of_transformed_values(plain):
+    sse = lambda m, x, y: jnp.sum(decay(m, x, y) ** 2)
+    start = {"a": sciflat.Log(1.0), "k": sciflat.Log(1.0)}
+    res = sciflat.minimize(
+        sse, start, args=(X, Y), options=dict(gtol=1e-12), progress=False
+    )
+    res = sciflat.hessian_uncertainty(res, sse, args=(X, Y), scale="sse", n_data=25)
+    # The Hessian includes the residuals' curvature, J^T J does not: close, not equal.
+    for name in ("a", "k"):
+        assert float(res.stderr[name]) == pytest.approx(
+            float(plain.stderr[name]), rel=2e-2
+        )
+
+
+def test_frozen_transform_is_left_alone():
+    model = {"a": sciflat.Positive(2.5), "k": sciflat.Positive(0.7)}
+    res = lsq(decay, model, (X, Y), filter_spec={"a": True, "k": False})
+    assert res.stderr["k"] is None and len(res.p) == 1
+    assert float(sciflat.unwrap(res.model)["k"]) == pytest.approx(0.7)
+    assert jax.tree.structure(res.model) == jax.tree.structure(model)
