@@ -120,7 +120,7 @@ def _best(results: list[FitResult[_M]]) -> FitResult[_M]:
 
 
 def _optax_fit() -> Callable[..., Any]:
-    from ._optax import fit
+    from ._fit import fit
 
     return fit
 

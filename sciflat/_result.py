@@ -11,6 +11,7 @@ import numpy.typing as npt
 from jaxtyping import Array, Float
 
 from ._flatten import Restructure
+from ._layout import TRAINABLE
 from ._uncertainty import Uncertainty
 
 
@@ -149,7 +150,7 @@ def _model_shaped(re: Restructure[Any], flat: npt.NDArray[np.float64]) -> Any:
 
     # A transform node holds its value's numbers in `raw`: show them in its place.
     model = raw_to_values(re(jnp.asarray(flat, jnp.float64)))
-    trainable = {e["path"] for e in re.layout() if e["kind"] == "trainable"}
+    trainable = {e.path for e in re.layout() if e.kind == TRAINABLE}
     trainable |= {p.removesuffix(".raw") for p in trainable}
     keep = lambda k, v: v if jax.tree_util.keystr(k) in trainable else None
     return jax.tree_util.tree_map_with_path(keep, model)

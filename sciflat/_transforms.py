@@ -20,6 +20,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Float
 
 from ._flatten import Restructure
+from ._layout import TRAINABLE
 from ._uncertainty import Uncertainty
 
 
@@ -194,7 +195,7 @@ def constrained(re: Restructure, x: Float[Array, " n"]) -> Float[Array, " n"]:
     """`x` with every entry that is a transform's `raw` mapped to its value."""
     x = jnp.asarray(x)
     positions = re(jnp.arange(len(re), dtype=x.dtype))  # each leaf holds its indices
-    trainable = {e["path"] for e in re.layout() if e["kind"] == "trainable"}
+    trainable = {e.path for e in re.layout() if e.kind == TRAINABLE}
     nodes = jax.tree_util.tree_flatten_with_path(positions, is_leaf=_is_transform)[0]
     for path, node in nodes:
         if _is_transform(node) and jax.tree_util.keystr(path) + ".raw" in trainable:

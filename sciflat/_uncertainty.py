@@ -74,17 +74,15 @@ class Uncertainty:
 def entry_names(re: Restructure) -> tuple[str, ...]:
     """A name for every entry of `p`: the leaf's path, with the index for arrays."""
     names = []
-    for entry in re.layout():
-        if entry["kind"] != "trainable" or entry["tied_to"] is not None:
-            continue
-        shape = tuple(entry["shape"])
-        parts = ("",) if entry["size"] == int(np.prod(shape)) else (".real", ".imag")
+    for entry in re.layout().slots:
+        shape = entry.shape
+        parts = ("",) if entry.size == int(np.prod(shape)) else (".real", ".imag")
         for part in parts:
             if shape == ():
-                names.append(entry["path"] + part)
+                names.append(entry.path + part)
                 continue
             for index in np.ndindex(*shape):
-                names.append(f"{entry['path']}{part}[{', '.join(map(str, index))}]")
+                names.append(f"{entry.path}{part}[{', '.join(map(str, index))}]")
     return tuple(names)
 
 
