@@ -166,8 +166,9 @@ class _Rebuild:
         self.treedef, self.static = treedef, static
         flat, static_def = jax.tree.flatten(static)
         try:
-            self._hash = hash((treedef, static_def, tuple(flat)))
-            self._key = (treedef, static_def, tuple(flat))
+            # With the type: 1, 1.0 and True are equal but trace differently.
+            self._key = (treedef, static_def, tuple((type(x), x) for x in flat))
+            self._hash = hash(self._key)
         except TypeError:  # an unhashable static argument: equal only to itself
             self._hash, self._key = id(self), (id(self),)
 
@@ -266,12 +267,13 @@ class Programs:
         back to the other one. A mode that failed is remembered (not traced again)
         once another one worked. Returns (compiled function, mode used)."""
         failed, errors = [], []
-        for mode in modes:
+        for i, mode in enumerate(modes):
             hit, keys = self._lookup(kind, mode, example)
-            if isinstance(hit, _Failed):
-                continue
+            if isinstance(hit, _Failed) and i < len(modes) - 1:
+                continue  # the last mode is traced again, to raise its own error
             try:
-                fn = hit if hit is not None else self.get(kind, mode, *example)
+                usable = hit is not None and not isinstance(hit, _Failed)
+                fn = hit if usable else self.get(kind, mode, *example)
             except (TypeError, ValueError) as e:
                 failed += keys
                 errors.append(e)

@@ -288,6 +288,11 @@ def test_a_failed_mode_is_remembered(lv_data):
     with count_traces() as traces:
         assert "reverse" in fit().message
     assert traces == []
+    # Asked for explicitly, the failed mode raises its own error again.
+    with pytest.raises(TypeError, match="forward-mode autodiff"):
+        sciflat.minimize(
+            loss, START, args=(lv_data[0],), mode="forward", progress=False
+        )
 
 
 # Values a loss may close over, and when two of them must share a compilation: only
