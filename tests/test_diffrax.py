@@ -346,6 +346,26 @@ def test_a_model_as_args_with_two_float_dtypes_is_a_type_error():
         sciflat.vector_field(re)(0.3, jnp.ones(2, jnp.float64), model)
 
 
+def test_a_tie_that_replaces_a_submodule_is_read_as_the_model():
+    # `ties=` drops the whole second network from `p`; `re(p)` puts it back, so the
+    # rebuilt model's structure is not the one `destructure` stored.
+    class Two(eqx.Module):
+        a: eqx.nn.MLP
+        b: eqx.nn.MLP
+
+        def __call__(self, t, y, args):
+            return self.b(self.a(y))
+
+    k1, k2 = jax.random.split(jax.random.key(2))
+    model = Two(eqx.nn.MLP(2, 2, 4, 1, key=k1), eqx.nn.MLP(2, 2, 4, 1, key=k2))
+    p, re = sciflat.destructure(model, ties=[(lambda m: m.b, lambda m: m.a)])
+    f = sciflat.vector_field(re)
+    y = jnp.asarray([0.3, -0.4])
+    plain = Two(model.a, model.a)
+    np.testing.assert_allclose(f(0.0, y, re(p)), plain(0.0, y, None), rtol=1e-14)
+    np.testing.assert_allclose(f(0.0, y, (re(p), None)), f(0.0, y, p), rtol=1e-14)
+
+
 def test_time_reaches_the_model_in_p_dtype():
     seen = []
 
