@@ -53,7 +53,14 @@ class VectorField(eqx.Module):
         return out
 
     def _is_model(self, x) -> bool:
-        return jax.tree.structure(x) == self.re._spec.treedef
+        return jax.tree.structure(x) == self._model_structure()
+
+    def _model_structure(self):
+        if not self.re._ties:
+            return self.re._spec.treedef
+        # A tie given to `destructure` may replace a whole submodule: ask `re`.
+        p = jax.ShapeDtypeStruct((len(self.re),), self.re.dtype)
+        return jax.tree.structure(eqx.filter_eval_shape(self.re, p))
 
     def _split(self, args):
         """`args` as `(model or p, extra)`."""
@@ -71,7 +78,7 @@ class VectorField(eqx.Module):
             "`args` of `diffeqsolve` must be the model rebuilt by `re(p)` (or "
             "`(re(p), extra)`, where `extra` is handed to the model as its own "
             f"`args`), or the flat vector `p` (or `(p, extra)`); got {got}. The model "
-            f"has structure {self.re._spec.treedef}."
+            f"has structure {self._model_structure()}."
         )
 
 
