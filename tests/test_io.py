@@ -108,9 +108,14 @@ def test_the_file_is_plain_npz_with_a_readable_header(tmp_path):
     assert leaves[".b.weight"]["tied_to"] == ".a.weight"
     assert head["dtype"] == str(model.a.weight.dtype)
     assert leaves[".a.weight"] == {
-        "path": ".a.weight", "kind": "trainable", "shape": [1, 1], "dtype": head["dtype"],
-        "offset": 0, "size": 1, "tied_to": None,
-    }  # fmt: skip
+        "path": ".a.weight",
+        "kind": "trainable",
+        "shape": [1, 1],
+        "dtype": head["dtype"],
+        "offset": 0,
+        "size": 1,
+        "tied_to": None,
+    }
     np.testing.assert_array_equal(arrays["p"], sciflat.destructure(model)[0])
 
 
