@@ -92,6 +92,7 @@ def test_round_trip_and_dtype_rule(case, dtype):
         )
 
 
+@pytest.mark.slow  # a fresh interpreter with two emulated devices: seconds
 def test_rebuilt_leaves_follow_p_onto_its_device():
     """Two forced host devices: `p` on the second, and `p` replicated over a mesh."""
     code = textwrap.dedent(
