@@ -15,9 +15,8 @@ def strong(state, dtype):
     floats in `dtype`, so the step's inputs and outputs match and it compiles once."""
 
     def fix(x):
-        x = jnp.array(
-            x, copy=True
-        )  # leaves may share buffers (with `p` too): all donated
+        # Leaves may share buffers (with `p` too), and all are donated: copy each.
+        x = jnp.array(x, copy=True)
         if not x.weak_type:
             return x
         floating = jnp.issubdtype(x.dtype, jnp.floating)

@@ -39,9 +39,8 @@ _HEADER = "sciflat_header"
 
 def to_numpy(x) -> np.ndarray:
     x = np.asarray(x)
-    if (
-        x.dtype.kind == "V"
-    ):  # ml_dtypes (bfloat16, float8...): NumPy stores them as void
+    # ml_dtypes (bfloat16, float8...): NumPy stores them as void, so store raw words.
+    if x.dtype.kind == "V":
         return x.view(f"u{x.dtype.itemsize}")
     return x
 

@@ -11,3 +11,15 @@ jax.config.update("jax_enable_x64", True)
 def x64_off():
     with jax.enable_x64(False):
         yield
+
+
+# The example runs train real models (in subprocesses, too): seconds each, so the whole
+# file is in the slow tier. Marked here rather than in the file, which other features'
+# owners edit.
+_SLOW_FILES = ("test_examples.py",)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in _SLOW_FILES:
+            item.add_marker(pytest.mark.slow)

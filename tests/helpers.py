@@ -6,6 +6,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from hypothesis import strategies as st
 
 
 def tree_allclose(a, b, rtol=1e-6, atol=1e-6) -> bool:
@@ -109,6 +110,42 @@ def edge_models():
             jnp.ones(2),
         ),
     }
+
+
+#
+# The one hypothesis strategy of random models
+#
+
+FLOATS = (np.float16, np.float32, np.float64)
+SHAPES = st.lists(st.integers(0, 3), max_size=2).map(tuple)
+
+
+@st.composite
+def random_models(draw, dtypes=(*FLOATS, np.complex64), mixed_ties=False):
+    """`(model, spec, uses)`: a dict of array leaves `u0, u1, ...` where position `k`
+    holds array `uses[k]` (positions sharing an array are tied), and a `filter_spec`
+    freezing some arrays. With `mixed_ties`, trainability is sometimes drawn per
+    position, so that a tied array may be trainable in one use and frozen in another
+    (which `destructure` refuses)."""
+    n_arrays = draw(st.integers(1, 4))
+    arrays = []
+    for i in range(n_arrays):
+        shape = draw(SHAPES)
+        dtype = draw(st.sampled_from(dtypes))
+        values = np.random.default_rng(i).normal(size=shape) * 2 + 0.5
+        if np.issubdtype(dtype, np.complexfloating):
+            values = values + 1j * values[::-1] if values.ndim else values + 0.5j
+        arrays.append(jnp.asarray(values.astype(dtype)))
+    uses = draw(st.lists(st.integers(0, n_arrays - 1), min_size=1, max_size=6))
+    if mixed_ties and draw(st.booleans()):
+        n = len(uses)
+        frozen = draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    else:
+        per_array = draw(st.lists(st.booleans(), min_size=n_arrays, max_size=n_arrays))
+        frozen = [per_array[i] for i in uses]
+    model = {f"u{k}": arrays[i] for k, i in enumerate(uses)}
+    spec = {f"u{k}": not frozen[k] for k in range(len(uses))}
+    return model, spec, uses
 
 
 #

@@ -54,166 +54,270 @@ CASES = {
     # destructure
     "destructure/object leaf": (
         lambda out: sciflat.destructure(OBJECT_MODEL),
-        TypeError, r"Leaf `\['w'\]` is an array of dtype object.*numeric arrays only",
+        TypeError,
+        r"Leaf `\['w'\]` is an array of dtype object.*numeric arrays only",
     ),
     "destructure/string leaf": (
         lambda out: sciflat.destructure(STRING_MODEL),
-        TypeError, r"`\['w'\]`.*numeric arrays only",
+        TypeError,
+        r"`\['w'\]`.*numeric arrays only",
     ),
     "destructure/int dtype": (
         lambda out: sciflat.destructure(MODEL, dtype=jnp.int32),
-        TypeError, "`dtype` must be a real floating dtype, got int32",
+        TypeError,
+        "`dtype` must be a real floating dtype, got int32",
     ),
     "destructure/complex dtype": (
         lambda out: sciflat.destructure(MODEL, dtype=jnp.complex64),
-        TypeError, "`dtype` must be a real floating dtype, got complex64",
+        TypeError,
+        "`dtype` must be a real floating dtype, got complex64",
     ),
     "destructure/complex leaf in bfloat16": (
-        lambda out: sciflat.destructure({"z": jnp.ones(2, jnp.complex64)}, dtype=jnp.bfloat16),
-        TypeError, r"`\['z'\]` is complex.*no complex counterpart",
+        lambda out: sciflat.destructure(
+            {"z": jnp.ones(2, jnp.complex64)}, dtype=jnp.bfloat16
+        ),
+        TypeError,
+        r"`\['z'\]` is complex.*no complex counterpart",
     ),
     "destructure/float64 with x64 off": (
         x64_off(lambda out: sciflat.destructure({"w": np.ones(2)})),
-        TypeError, "jax_enable_x64",
+        TypeError,
+        "jax_enable_x64",
     ),
     "destructure/tie half frozen": (
         lambda out: sciflat.destructure({"a": P, "b": P}, {"a": True, "b": False}),
-        ValueError, "trainable everywhere or frozen everywhere",
+        ValueError,
+        "trainable everywhere or frozen everywhere",
     ),
-    "destructure/leaked tracer": (lambda out: sciflat.destructure({"w": LEAKED}), *TRACER),
+    "destructure/leaked tracer": (
+        lambda out: sciflat.destructure({"w": LEAKED}),
+        *TRACER,
+    ),
     # re(p)
     "re/wrong length": (
-        lambda out: RE(jnp.ones(4)), ValueError, "expected a vector of length 3, got 4"
+        lambda out: RE(jnp.ones(4)),
+        ValueError,
+        "expected a vector of length 3, got 4",
     ),
-    "re/int p": (lambda out: RE(jnp.arange(3)), TypeError, "real floating vector, got dtype int"),
+    "re/int p": (
+        lambda out: RE(jnp.arange(3)),
+        TypeError,
+        "real floating vector, got dtype int",
+    ),
     "re/complex p": (
         lambda out: RE(jnp.ones(3, jnp.complex64)),
-        TypeError, "real floating vector, got dtype complex64.*never become complex",
+        TypeError,
+        "real floating vector, got dtype complex64.*never become complex",
     ),
-    "re/2-D p": (lambda out: RE(jnp.ones((3, 1))), ValueError, r"1-D vector.*shape \(3, 1\)"),
+    "re/2-D p": (
+        lambda out: RE(jnp.ones((3, 1))),
+        ValueError,
+        r"1-D vector.*shape \(3, 1\)",
+    ),
     "re/object p": (
         lambda out: RE(np.array([1.0, None, 2.0], dtype=object)),
-        TypeError, "got dtype object",
+        TypeError,
+        "got dtype object",
     ),
-    "re/python float": (lambda out: RE(1.0), TypeError, "1-D real floating array, got float"),
+    "re/python float": (
+        lambda out: RE(1.0),
+        TypeError,
+        "1-D real floating array, got float",
+    ),
     "re/float64 NumPy with x64 off": (
-        x64_off(lambda out: RE(np.ones(3))), TypeError, "jax_enable_x64"
+        x64_off(lambda out: RE(np.ones(3))),
+        TypeError,
+        "jax_enable_x64",
     ),
     "re/leaked tracer": (lambda out: RE(LEAKED), *TRACER),
     # save
     "save/wrong length": (
         lambda out: sciflat.save(out / "m.npz", jnp.ones(2), RE),
-        ValueError, "expected a vector of length 3, got 2",
+        ValueError,
+        "expected a vector of length 3, got 2",
     ),
     "save/int p": (
         lambda out: sciflat.save(out / "m.npz", jnp.arange(3), RE),
-        TypeError, "real floating vector",
+        TypeError,
+        "real floating vector",
     ),
     "save/NaN in p": (
         lambda out: sciflat.save(out / "m.npz", P.at[2].set(jnp.nan), RE),
-        ValueError, r"NaN or infinity in `\['w'\]`; nothing was written",
+        ValueError,
+        r"NaN or infinity in `\['w'\]`; nothing was written",
     ),
     "save/inf in model": (
         lambda out: sciflat.save(out / "m.npz", {"b": jnp.array([jnp.inf])}),
-        ValueError, r"NaN or infinity in `\['b'\]`",
+        ValueError,
+        r"NaN or infinity in `\['b'\]`",
     ),
     "save/object p": (
-        lambda out: sciflat.save(out / "m.npz", np.array([1.0, None, 2.0], dtype=object), RE),
-        TypeError, "got dtype object",
+        lambda out: sciflat.save(
+            out / "m.npz", np.array([1.0, None, 2.0], dtype=object), RE
+        ),
+        TypeError,
+        "got dtype object",
     ),
     "save/object model": (
-        lambda out: sciflat.save(out / "m.npz", OBJECT_MODEL), TypeError, "numeric arrays"
+        lambda out: sciflat.save(out / "m.npz", OBJECT_MODEL),
+        TypeError,
+        "numeric arrays",
     ),
     "save/p without re": (
-        lambda out: sciflat.save(out / "m.npz", P), TypeError, "needs the `re`"
+        lambda out: sciflat.save(out / "m.npz", P),
+        TypeError,
+        "needs the `re`",
     ),
     "save/re not a Restructure": (
         lambda out: sciflat.save(out / "m.npz", P, MODEL),
-        TypeError, "`re` must be a sciflat.Restructure, got dict",
+        TypeError,
+        "`re` must be a sciflat.Restructure, got dict",
     ),
-    "save/inside jit": (save_inside_jit, TypeError, "got a JAX tracer.*outside `jax.jit`"),
+    "save/inside jit": (
+        save_inside_jit,
+        TypeError,
+        "got a JAX tracer.*outside `jax.jit`",
+    ),
     "save/leaked tracer": (
-        lambda out: sciflat.save(out / "m.npz", LEAKED, sciflat.destructure(jnp.ones(3))[1]),
-        TypeError, "got a JAX tracer",
+        lambda out: sciflat.save(
+            out / "m.npz", LEAKED, sciflat.destructure(jnp.ones(3))[1]
+        ),
+        TypeError,
+        "got a JAX tracer",
     ),
     "save/missing folder": (
         lambda out: sciflat.save(out / "no" / "m.npz", MODEL),
-        FileNotFoundError, "does not exist",
+        FileNotFoundError,
+        "does not exist",
     ),
     # load (of a good file, written elsewhere)
     "load/another model": (
         lambda out: sciflat.load(GOOD_FILE, {"b": jnp.zeros(1), "w": jnp.ones(3)}),
-        ValueError, r"leaf `\['w'\]`: expected trainable float64\[3\], found .*\[2\]",
+        ValueError,
+        r"leaf `\['w'\]`: expected trainable float64\[3\], found .*\[2\]",
     ),
     "load/int dtype": (
         lambda out: sciflat.load(GOOD_FILE, MODEL, dtype=jnp.int32),
-        TypeError, "real floating dtype",
+        TypeError,
+        "real floating dtype",
     ),
     "load/implicit float32": (
-        lambda out: sciflat.load(GOOD_FILE, jax.tree.map(lambda x: x.astype(jnp.float32), MODEL)),
-        TypeError, "float64 parameters, but the skeleton is float32",
+        lambda out: sciflat.load(
+            GOOD_FILE, jax.tree.map(lambda x: x.astype(jnp.float32), MODEL)
+        ),
+        TypeError,
+        "float64 parameters, but the skeleton is float32",
     ),
     "load/object skeleton": (
-        lambda out: sciflat.load(GOOD_FILE, OBJECT_MODEL), TypeError, "numeric arrays"
+        lambda out: sciflat.load(GOOD_FILE, OBJECT_MODEL),
+        TypeError,
+        "numeric arrays",
     ),
     "load/missing file": (
-        lambda out: sciflat.load(out / "nope.npz", MODEL), FileNotFoundError, "nope.npz"
+        lambda out: sciflat.load(out / "nope.npz", MODEL),
+        FileNotFoundError,
+        "nope.npz",
     ),
     "load/not an npz": (
-        lambda out: sciflat.load(GARBAGE_FILE, MODEL), ValueError, "not an .npz archive"
+        lambda out: sciflat.load(GARBAGE_FILE, MODEL),
+        ValueError,
+        "not an .npz archive",
     ),
     # fit
     "fit/loss not callable": (
-        lambda out: fit(out, loss=3.0), TypeError, "`loss` must be a function"
+        lambda out: fit(out, loss=3.0),
+        TypeError,
+        "`loss` must be a function",
     ),
     "fit/optimizer factory not called": (
         lambda out: fit(out, optimizer=optax.adam),
-        TypeError, r"GradientTransformation \(e.g. `optax.adam\(1e-3\)`\), got function",
+        TypeError,
+        r"GradientTransformation \(e.g. `optax.adam\(1e-3\)`\), got function",
     ),
     "fit/no steps or batches": (
-        lambda out: fit(out, steps=None), ValueError, "Give `steps`"
+        lambda out: fit(out, steps=None),
+        ValueError,
+        "Give `steps`",
     ),
-    "fit/negative steps": (lambda out: fit(out, steps=-1), ValueError, "`steps` must be >= 0"),
-    "fit/float steps": (lambda out: fit(out, steps=10.0), TypeError, "`steps` must be an int"),
+    "fit/negative steps": (
+        lambda out: fit(out, steps=-1),
+        ValueError,
+        "`steps` must be >= 0",
+    ),
+    "fit/float steps": (
+        lambda out: fit(out, steps=10.0),
+        TypeError,
+        "`steps` must be an int",
+    ),
     "fit/checkpoint_every 0": (
-        lambda out: fit(out, checkpoint_every=0), ValueError, "`checkpoint_every` must be >= 1"
+        lambda out: fit(out, checkpoint_every=0),
+        ValueError,
+        "`checkpoint_every` must be >= 1",
     ),
     "fit/args not a tuple": (
-        lambda out: fit(out, args=jnp.ones(2)), TypeError, "`args` must be a tuple"
+        lambda out: fit(out, args=jnp.ones(2)),
+        TypeError,
+        "`args` must be a tuple",
     ),
     "fit/batches not iterable": (
-        lambda out: fit(out, batches=3), TypeError, "`batches` must be an iterable"
+        lambda out: fit(out, batches=3),
+        TypeError,
+        "`batches` must be an iterable",
     ),
-    "fit/empty batches": (lambda out: fit(out, batches=[]), ValueError, "`batches` is empty"),
+    "fit/empty batches": (
+        lambda out: fit(out, batches=[]),
+        ValueError,
+        "`batches` is empty",
+    ),
     "fit/vector loss": (
         lambda out: fit(out, loss=lambda m: m["w"]),
-        TypeError, r"`loss` must return a real scalar, got float64\[2\]",
+        TypeError,
+        r"`loss` must return a real scalar, got float64\[2\]",
     ),
     "fit/complex loss": (
         lambda out: fit(out, loss=lambda m: jnp.sum(m["w"]) * 1j),
-        TypeError, "real scalar, got complex128",
+        TypeError,
+        "real scalar, got complex128",
     ),
     "fit/NaN in model": (
         lambda out: fit(out, model={"b": jnp.zeros(1), "w": jnp.array([1.0, jnp.nan])}),
-        ValueError, r"starts with NaN or infinity in `\['w'\]`",
+        ValueError,
+        r"starts with NaN or infinity in `\['w'\]`",
     ),
-    "fit/empty model": (lambda out: fit(out, model=()), ValueError, "no trainable floating"),
+    "fit/empty model": (
+        lambda out: fit(out, model=()),
+        ValueError,
+        "no trainable floating",
+    ),
     "fit/only int leaves": (
-        lambda out: fit(out, model={"n": jnp.arange(3)}), ValueError, "no trainable floating"
+        lambda out: fit(out, model={"n": jnp.arange(3)}),
+        ValueError,
+        "no trainable floating",
     ),
-    "fit/object leaf": (lambda out: fit(out, model=OBJECT_MODEL), TypeError, "numeric arrays"),
+    "fit/object leaf": (
+        lambda out: fit(out, model=OBJECT_MODEL),
+        TypeError,
+        "numeric arrays",
+    ),
     "fit/int dtype": (
-        lambda out: fit(out, dtype=jnp.int32), TypeError, "real floating dtype"
+        lambda out: fit(out, dtype=jnp.int32),
+        TypeError,
+        "real floating dtype",
     ),
     "fit/float64 with x64 off": (
-        x64_off(lambda out: fit(out, dtype=jnp.float64)), TypeError, "jax_enable_x64"
+        x64_off(lambda out: fit(out, dtype=jnp.float64)),
+        TypeError,
+        "jax_enable_x64",
     ),
     "fit/checkpoint folder missing": (
-        lambda out: sciflat.fit(LOSS, MODEL, ADAM, steps=2, checkpoint=out / "no" / "c.npz"),
-        FileNotFoundError, "does not exist",
+        lambda out: sciflat.fit(
+            LOSS, MODEL, ADAM, steps=2, checkpoint=out / "no" / "c.npz"
+        ),
+        FileNotFoundError,
+        "does not exist",
     ),
     "fit/leaked tracer": (lambda out: fit(out, model={"w": LEAKED}), *TRACER),
-}  # fmt: skip
+}
 
 
 # The SciPy fits, where they exist (another module): the same mistakes.
@@ -225,39 +329,55 @@ for name, f in [("minimize", LOSS), ("least_squares", RESIDUALS)]:
     )
     CASES |= {
         f"{name}/wrong length x0": (
-            lambda out, run=run: run(x0=np.zeros(2)), ValueError, "length 3, got 2"
+            lambda out, run=run: run(x0=np.zeros(2)),
+            ValueError,
+            "length 3, got 2",
         ),
         f"{name}/NaN in x0": (
             lambda out, run=run: run(x0=np.array([np.nan, 0.0, 0.0])),
-            ValueError, r"not finite in `\['b'\]`",
+            ValueError,
+            r"not finite in `\['b'\]`",
         ),
         f"{name}/empty model": (
-            lambda out, run=run: run(model=()), ValueError, "no trainable floating"
+            lambda out, run=run: run(model=()),
+            ValueError,
+            "no trainable floating",
         ),
         f"{name}/only int leaves": (
             lambda out, run=run: run(model={"n": jnp.arange(3)}),
-            ValueError, "no trainable floating",
+            ValueError,
+            "no trainable floating",
         ),
         f"{name}/object leaf": (
-            lambda out, run=run: run(model=OBJECT_MODEL), TypeError, "numeric arrays"
+            lambda out, run=run: run(model=OBJECT_MODEL),
+            TypeError,
+            "numeric arrays",
         ),
         f"{name}/bounds for an unknown leaf": (
             lambda out, run=run: run(bounds={"zz": (0.0, 1.0)}),
-            ValueError, "does not pick a trainable leaf",
+            ValueError,
+            "does not pick a trainable leaf",
         ),
         f"{name}/bounds of the wrong shape": (
             lambda out, run=run: run(bounds={"['w']": (np.zeros(3), None)}),
-            ValueError, r"`\['w'\]`.*shape \(2,\), got shape \(3,\)",
+            ValueError,
+            r"`\['w'\]`.*shape \(2,\), got shape \(3,\)",
         ),
         f"{name}/bounds not model-shaped": (
             lambda out, run=run: run(bounds=({"w": 0.0}, None)),
-            ValueError, "pytrees with the model's structure",
+            ValueError,
+            "pytrees with the model's structure",
         ),
         f"{name}/x64 off": (
-            x64_off(lambda out, run=run: run()), TypeError, "jax_enable_x64"
+            x64_off(lambda out, run=run: run()),
+            TypeError,
+            "jax_enable_x64",
         ),
-        f"{name}/leaked tracer": (lambda out, run=run: run(model={"w": LEAKED}), *TRACER),
-    }  # fmt: skip
+        f"{name}/leaked tracer": (
+            lambda out, run=run: run(model={"w": LEAKED}),
+            *TRACER,
+        ),
+    }
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -84,9 +84,15 @@ def three_runs(tmp_path_factory, name):
         count = []
         counting = lambda m, x, y, count=count: (count.append(1), loss(m, x, y))[1]
         runs[run] = sciflat.fit(
-            counting, linear(jnp.float32), OPTIMIZERS[name](), steps=12, args=xy(),
-            dtype=jnp.float64, progress=False, **extra,
-        )  # fmt: skip
+            counting,
+            linear(jnp.float32),
+            OPTIMIZERS[name](),
+            steps=12,
+            args=xy(),
+            dtype=jnp.float64,
+            progress=False,
+            **extra,
+        )
         traces[run] = len(count)
     return runs, traces
 
@@ -292,9 +298,14 @@ def test_nonfinite_from_the_start_names_the_leaf():
 
 def test_ctrl_c_returns_the_best_point_so_far():
     result = sciflat.fit(
-        loss, linear(), optax.sgd(0.9), steps=100, args=xy(), progress=False,
+        loss,
+        linear(),
+        optax.sgd(0.9),
+        steps=100,
+        args=xy(),
+        progress=False,
         callback=interrupt_at(6),
-    )  # fmt: skip
+    )
     assert result.status == "interrupted" and result.n_steps == 6
     assert "Interrupted" in result.message
     assert result.loss == min(result.history)
@@ -307,9 +318,14 @@ def test_real_sigint_stops_after_the_current_step():
             os.kill(os.getpid(), signal.SIGINT)
 
     result = sciflat.fit(
-        loss, linear(), optax.adam(1e-2), steps=100, args=xy(), progress=False,
+        loss,
+        linear(),
+        optax.adam(1e-2),
+        steps=100,
+        args=xy(),
+        progress=False,
         callback=callback,
-    )  # fmt: skip
+    )
     assert result.status == "interrupted" and result.n_steps == 3
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
@@ -344,9 +360,14 @@ def test_callback_sees_the_model_and_can_stop():
         return step == 4
 
     result = sciflat.fit(
-        loss, linear(), optax.adam(1e-2), steps=100, args=xy(), progress=False,
+        loss,
+        linear(),
+        optax.adam(1e-2),
+        steps=100,
+        args=xy(),
+        progress=False,
         callback=callback,
-    )  # fmt: skip
+    )
     assert result.status == "converged" and result.n_steps == 4
     assert [s for s, _, _ in seen] == [1, 2, 3, 4]
     # The callback's model is the one after step k, whose loss history records next.
@@ -371,9 +392,15 @@ def test_resume_equals_an_uninterrupted_run_bit_for_bit(adam_runs, lbfgs_runs):
 def test_checkpoint_is_a_loadable_model_file(tmp_path):
     path = tmp_path / "ckpt.npz"
     result = sciflat.fit(
-        loss, linear(), optax.adam(1e-2), steps=5, args=xy(), progress=False,
-        checkpoint=path, checkpoint_every=2,
-    )  # fmt: skip
+        loss,
+        linear(),
+        optax.adam(1e-2),
+        steps=5,
+        args=xy(),
+        progress=False,
+        checkpoint=path,
+        checkpoint_every=2,
+    )
     np.testing.assert_array_equal(
         sciflat.load(path, sciflat.destructure(linear())[1]), result.p
     )
@@ -407,9 +434,8 @@ def test_a_crash_while_writing_keeps_the_previous_checkpoint(
             **kwargs,
         )
     monkeypatch.undo()
-    assert sorted(os.listdir(tmp_path)) == [
-        "ckpt.npz"
-    ]  # step 2's, intact; no temp file
+    # Step 2's checkpoint, intact; no temp file.
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.npz"]
     rest = sciflat.fit(
         loss, linear(jnp.float32), OPTIMIZERS["adam"](), resume=True, **kwargs
     )
