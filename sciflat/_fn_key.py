@@ -119,7 +119,8 @@ class _Keyer:
         if isinstance(obj, type):
             return Same(obj)
         if isinstance(obj, ft.partial):
-            return (ft.partial, self.key(obj.func, names), self.key(obj.args, names))
+            parts = (obj.func, obj.args, tuple(sorted(obj.keywords.items())))
+            return (ft.partial, *(self.key(x, names) for x in parts))
         if isinstance(obj, types.MethodType):
             parts = (obj.__func__, obj.__self__)
             return (types.MethodType, *(self.key(x, names) for x in parts))

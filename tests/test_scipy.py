@@ -6,6 +6,7 @@ forward-mode solve.
 """
 
 import contextlib
+import functools as ft
 import struct
 import time
 
@@ -330,6 +331,9 @@ def test_function_key_falls_back_to_identity_for_what_may_change():
     f = lambda m: settings.scale * m
     g = lambda m: settings.scale * m
     assert function_key(f) == function_key(f) and function_key(f) != function_key(g)
+    # Partial application: by function, arguments and keywords.
+    part = lambda **kw: function_key(ft.partial(quad_loss, **kw))
+    assert part(c=C) == part(c=C) and part(c=1.0) != part(c=2.0)
     # sciflat's own adapters, made anew per fit, around the same loss: equal.
     wrap = lambda loss: sp.data_by_keyword(loss)
     assert identity_key(wrap(quad_loss)) == identity_key(wrap(quad_loss))
