@@ -80,7 +80,8 @@ def fit(
         `scipy.optimize`'s `args=`: see [Migrating](migration.md#the-three-fits).
     - `filter_spec`, `dtype`: as in [`sciflat.destructure`][]; `dtype` trains in that
         precision whatever the model was initialised in.
-    - `progress`: show a progress bar with the loss.
+    - `progress`: show a progress bar with the loss (live on a terminal, a widget in a
+        notebook, a plain line every 30 s when the output is a log or a file).
     - `checkpoint`: file to checkpoint to; `checkpoint_every`: how often, in steps.
     - `resume`: `True` continues from `checkpoint` if it exists, `False` overwrites it;
         the default refuses to overwrite an existing one.

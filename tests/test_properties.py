@@ -23,13 +23,19 @@ def _loss(model):
     return total
 
 
+# Jitted, `re` an argument: one compilation per structure costs a fraction of tracing
+# the gradient op by op (this test was the fast tier's slowest).
+_grad = jax.jit(jax.grad(lambda p, re: _loss(re(p))))
+_plain_grad = jax.jit(jax.grad(_loss))
+
+
 @settings(max_examples=60, deadline=None)
 @given(random_models(), st.sampled_from([np.float32, np.float64]))
 def test_gradient_is_the_sum_over_tied_uses(case, dtype):
     model, spec, uses = case
     p, re = sciflat.destructure(model, spec, dtype=dtype)
     assert p.dtype == dtype
-    grad = jax.grad(lambda p: _loss(re(p)))(p)
+    grad = _grad(p, re)
     assert grad.dtype == p.dtype and grad.shape == p.shape
     # Reference: jax.grad on the plain pytree (every use a separate leaf, in p's dtype),
     # then the uses of each tied array summed.
@@ -39,7 +45,7 @@ def test_gradient_is_the_sum_over_tied_uses(case, dtype):
         else x.astype(dtype)
         for k, x in model.items()
     }
-    plain = jax.grad(_loss)(cast)
+    plain = _plain_grad(cast)
     expected = np.zeros(len(p), dtype)
     for k in range(len(uses)):
         name = f"u{k}"
