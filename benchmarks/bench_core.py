@@ -225,9 +225,11 @@ def main(argv=None):
         help="skip ravel_pytree's eager unravel above this many leaves (≈69 s at 5000)",
     )
     parser.add_argument(
-        "--tanh", action=argparse.BooleanOptionalAction, default=True,
+        "--tanh",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="the Σ tanh(params) table on the big MLP",
-    )  # fmt: skip
+    )
     args = parser.parse_args(argv)
     print(
         f"jax {jax.__version__}, equinox {eqx.__version__}, backend {jax.default_backend()}, "

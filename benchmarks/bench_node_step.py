@@ -46,10 +46,17 @@ def make_loss(term, dtype, steps: str):
 
     def solve(args, y0):
         return diffrax.diffeqsolve(
-            term, diffrax.Tsit5(), ts[0], ts[-1], jnp.asarray(0.1, dtype), y0,
-            args=args, saveat=diffrax.SaveAt(ts=ts), stepsize_controller=controller,
+            term,
+            diffrax.Tsit5(),
+            ts[0],
+            ts[-1],
+            jnp.asarray(0.1, dtype),
+            y0,
+            args=args,
+            saveat=diffrax.SaveAt(ts=ts),
+            stepsize_controller=controller,
             max_steps=4096,
-        ).ys  # fmt: skip
+        ).ys
 
     def loss(args, y0s, targets):
         ys = jax.vmap(lambda y0: solve(args, y0))(y0s)

@@ -86,10 +86,17 @@ REVERSE = diffrax.RecursiveCheckpointAdjoint()  # Diffrax's default adjoint
 
 def lv_loss(model, data, adjoint=REVERSE):
     sol = diffrax.diffeqsolve(
-        diffrax.ODETerm(model), diffrax.Tsit5(), 0.0, 10.0, 0.01, jnp.asarray([1.0, 1.0]),
-        saveat=diffrax.SaveAt(ts=TS), adjoint=adjoint,
-        stepsize_controller=diffrax.PIDController(rtol=1e-8, atol=1e-8), max_steps=4096,
-    )  # fmt: skip
+        diffrax.ODETerm(model),
+        diffrax.Tsit5(),
+        0.0,
+        10.0,
+        0.01,
+        jnp.asarray([1.0, 1.0]),
+        saveat=diffrax.SaveAt(ts=TS),
+        adjoint=adjoint,
+        stepsize_controller=diffrax.PIDController(rtol=1e-8, atol=1e-8),
+        max_steps=4096,
+    )
     return jnp.sum((sol.ys - data) ** 2)
 
 
@@ -99,10 +106,16 @@ def lv_forward_loss(model, data):
 
 def lotka_volterra(repeats: int) -> None:
     sol = diffrax.diffeqsolve(
-        diffrax.ODETerm(LotkaVolterra(jnp.asarray(TRUE))), diffrax.Tsit5(), 0.0, 10.0,
-        0.01, jnp.asarray([1.0, 1.0]), saveat=diffrax.SaveAt(ts=TS),
-        stepsize_controller=diffrax.PIDController(rtol=1e-10, atol=1e-10), max_steps=8192,
-    )  # fmt: skip
+        diffrax.ODETerm(LotkaVolterra(jnp.asarray(TRUE))),
+        diffrax.Tsit5(),
+        0.0,
+        10.0,
+        0.01,
+        jnp.asarray([1.0, 1.0]),
+        saveat=diffrax.SaveAt(ts=TS),
+        stepsize_controller=diffrax.PIDController(rtol=1e-10, atol=1e-10),
+        max_steps=8192,
+    )
     data = sol.ys
     start = np.array([1.2, 0.8, 2.6, 1.2])
     bounds = [(0.0, None)] * 4
@@ -126,9 +139,13 @@ def lotka_volterra(repeats: int) -> None:
     def ours(loss, mode="auto"):
         def run():
             return sciflat.minimize(
-                loss, LotkaVolterra(jnp.asarray(start)), args=(data,),
-                bounds={"rates": (0.0, None)}, mode=mode, progress=False,
-            )  # fmt: skip
+                loss,
+                LotkaVolterra(jnp.asarray(start)),
+                args=(data,),
+                bounds={"rates": (0.0, None)},
+                mode=mode,
+                progress=False,
+            )
 
         return run
 
@@ -252,9 +269,12 @@ def pinn(repeats: int, iters: int) -> None:
     )
     # As in the docstring example: a `lambda` written in the call, so new every fit.
     new_lambda = lambda: sciflat.minimize(
-        lambda net, t: pinn_loss(net, t), net, args=(t,), progress=False,
+        lambda net, t: pinn_loss(net, t),
+        net,
+        args=(t,),
+        progress=False,
         options=options,
-    )  # fmt: skip
+    )
     fits = {
         "hand jit(value_and_grad)": hand,
         "hand, 1 BLAS thread": one_blas_thread(hand),
@@ -403,19 +423,25 @@ def nist_problem(name: str, path: str, repeats: int) -> None:
 
     def ours(method):
         return lambda: sciflat.least_squares(
-            lambda m, x, y: f(m, x) - y, model, args=(xj, yj), method=method,
+            lambda m, x, y: f(m, x) - y,
+            model,
+            args=(xj, yj),
+            method=method,
             progress=False,
-        )  # fmt: skip
+        )
 
     def lm(method):
         fn = lambda p, x, y: f_np(p.valuesdict(), x) - y
         return lambda: lmfit.minimize(fn, params, args=(x, y), method=method)
 
     variants = {
-        "hand trf": hand("trf"), "sciflat trf": ours("trf"),
+        "hand trf": hand("trf"),
+        "sciflat trf": ours("trf"),
         "lmfit least_squares": lm("least_squares"),
-        "hand lm": hand("lm"), "sciflat lm": ours("lm"), "lmfit leastsq": lm("leastsq"),
-    }  # fmt: skip
+        "hand lm": hand("lm"),
+        "sciflat lm": ours("lm"),
+        "lmfit leastsq": lm("leastsq"),
+    }
     results = {k: fn() for k, fn in variants.items()}
     minima = {}
     ms = {k: v * 1e3 for k, v in interleaved(variants, repeats, minima).items()}

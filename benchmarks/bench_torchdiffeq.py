@@ -114,11 +114,17 @@ def jax_step(model, activation, dtype, ts, ys):
 
     def solve(p):
         return diffrax.diffeqsolve(
-            term, diffrax.Dopri5(), ts[0], ts[-1], None, ys[:, 0], args=p,
+            term,
+            diffrax.Dopri5(),
+            ts[0],
+            ts[-1],
+            None,
+            ys[:, 0],
+            args=p,
             saveat=diffrax.SaveAt(ts=ts),
             stepsize_controller=diffrax.PIDController(rtol=node.RTOL, atol=node.ATOL),
             max_steps=4096,
-        )  # fmt: skip
+        )
 
     def loss(p):
         return jnp.mean((jnp.swapaxes(solve(p).ys, 0, 1) - ys) ** 2)
@@ -218,8 +224,10 @@ def main(reps=15, batches=(32, 1024)):
         f"{platform.machine()}, {os.cpu_count()} CPU cores, {THREADS} thread(s) per "
         f"framework, median of {reps} steps\n"
     )
-    print("| batch | dtype | activation | JAX+Diffrax ms/step | torchdiffeq ms/step "
-          "| torch / JAX | solver steps (JAX, torch) |")  # fmt: skip
+    print(
+        "| batch | dtype | activation | JAX+Diffrax ms/step | torchdiffeq ms/step "
+        "| torch / JAX | solver steps (JAX, torch) |"
+    )
     print("|---|---|---|---|---|---|---|")
     for batch, dtype, act, framework in variants:
         if framework != "jax":

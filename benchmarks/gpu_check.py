@@ -157,11 +157,31 @@ def tf32(device) -> None:
 def benchmarks(limit_s: int) -> None:
     print("\n## 4. Benchmarks of issue 11")
     runs = [
-        ["bench_node_step.py", "--dtypes", "float32", "float64", "--batches", "256",
-         "--repeats", "7"],
-        ["bench_core.py", "--leaves", "1000", "--distinct", "100", "--batches", "1",
-         "256", "--repeats", "10", "--eager-ravel-max", "0"],
-    ]  # fmt: skip
+        [
+            "bench_node_step.py",
+            "--dtypes",
+            "float32",
+            "float64",
+            "--batches",
+            "256",
+            "--repeats",
+            "7",
+        ],
+        [
+            "bench_core.py",
+            "--leaves",
+            "1000",
+            "--distinct",
+            "100",
+            "--batches",
+            "1",
+            "256",
+            "--repeats",
+            "10",
+            "--eager-ravel-max",
+            "0",
+        ],
+    ]
     for run in runs:
         print(f"\n$ python benchmarks/{' '.join(run)}", flush=True)
         try:

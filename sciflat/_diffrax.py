@@ -1,14 +1,15 @@
 """Diffrax right-hand sides for a destructured model: `diffeqsolve(..., args=re(p))`."""
 
-from typing import Literal
+from typing import Any, Literal
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-from jaxtyping import Array, PyTree, Shaped
+from jaxtyping import Array, ArrayLike, Shaped
 
+from ._custom_types import PyTree
 from ._dtypes import complex_dtype, is_complex, is_inexact, real_dtype
 from ._flatten import Restructure
 
@@ -28,10 +29,12 @@ class VectorField(eqx.Module):
     # A pytree field: `re` may hold arrays (frozen and integer leaves), which Equinox
     # refuses in static fields. BacksolveAdjoint then carries an adjoint for the frozen
     # floating arrays too: correct, and discarded.
-    re: Restructure
+    re: Restructure[Any]
     signature: Signature = eqx.field(static=True)
 
-    def __call__(self, t, y: PyTree[Shaped[Array, "..."]], args) -> PyTree:
+    def __call__(
+        self, t: ArrayLike, y: PyTree[Shaped[Array, "..."]], args: Any
+    ) -> PyTree[Shaped[Array, "..."]]:
         params, extra = self._split(args)
         if self._is_model(params):
             model, dtype = params, _model_dtype(params)
@@ -136,7 +139,9 @@ def _check_state(y, dtype: np.dtype, what: str, like=None) -> None:
             )
 
 
-def vector_field(re: Restructure, signature: Signature = "t,y,args") -> VectorField:
+def vector_field(
+    re: Restructure[Any], signature: Signature = "t,y,args"
+) -> VectorField:
     """An ODE right-hand side for Diffrax whose parameters are the flat vector `p`.
 
     Pass the rebuilt model `re(p)` as Diffrax's `args` (or `(re(p), extra)`, where

@@ -425,9 +425,8 @@ def destructure(
     path_leaves, treedef = jtu.tree_flatten_with_path(model)
     mask = _trainable_mask(model, filter_spec, len(path_leaves))
     kinds, keep, cast, cast_paths = [], [], [], []
-    slots_by_key: dict[
-        Any, list[str]
-    ] = {}  # tie key -> paths; insertion order = `p` order
+    # tie key -> paths; insertion order = `p` order
+    slots_by_key: dict[Any, list[str]] = {}
     first_leaf: dict[Any, Any] = {}
     slot_index: dict[Any, int] = {}
     cast_by_key: dict[Any, int] = {}

@@ -153,9 +153,13 @@ def least_squares(
     def call():
         with limit, np.errstate(over="ignore"):  # SciPy's own cost may overflow too
             return scipy.optimize.least_squares(
-                fun, start, jac=jac, method=method,  # pyright: ignore[reportArgumentType]
-                bounds=lb_ub if lb_ub is not None else (-np.inf, np.inf), **kwargs,
-            )  # fmt: skip
+                fun,
+                start,
+                jac=jac,  # pyright: ignore[reportArgumentType]
+                method=method,
+                bounds=lb_ub if lb_ub is not None else (-np.inf, np.inf),
+                **kwargs,
+            )
 
     res, status, message, x, value = sp.run(call, tracker, start)
     if res is not None:
@@ -176,11 +180,20 @@ def least_squares(
             fitted,
         )
     return FitResult(
-        model=fitted, p=p, loss=float(value), status=status,
-        message=f"{message} (Jacobian: {used} mode)", history=np.asarray(tracker.history),
-        n_steps=len(tracker.history), raw=res, re=re, uncertainty=unc,
-        chisqr=2.0 * float(value), n_data=m, n_evaluations=tracker.n_calls,
-    )  # fmt: skip
+        model=fitted,
+        p=p,
+        loss=float(value),
+        status=status,
+        message=f"{message} (Jacobian: {used} mode)",
+        history=np.asarray(tracker.history),
+        n_steps=len(tracker.history),
+        raw=res,
+        re=re,
+        uncertainty=unc,
+        chisqr=2.0 * float(value),
+        n_data=m,
+        n_evaluations=tracker.n_calls,
+    )
 
 
 def _cost(residuals: np.ndarray) -> float:

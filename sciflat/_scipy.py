@@ -138,9 +138,16 @@ def minimize(
     def call():
         with limit:
             return scipy.optimize.minimize(
-                fun, start, method=method, bounds=_as_scipy(scipy_bounds), tol=tol,
-                options=options, callback=_scipy_callback(fun, tracker), **extra, **kwargs,
-            )  # fmt: skip
+                fun,
+                start,
+                method=method,
+                bounds=_as_scipy(scipy_bounds),
+                tol=tol,
+                options=options,
+                callback=_scipy_callback(fun, tracker),
+                **extra,
+                **kwargs,
+            )
 
     res, status, message, x, value = sp.run(call, tracker, start)
     n = len(tracker.history)
@@ -148,10 +155,17 @@ def minimize(
         status, value, n = _status(res), float(res.fun), int(res.get("nit", n))
     p = jnp.asarray(np.asarray(x, dtype=np.float64))
     return FitResult(
-        model=re(p), p=p, loss=float(value), status=status,
-        message=f"{message} (gradient: {used})", history=np.asarray(tracker.history),
-        n_steps=n, raw=res, re=re, n_evaluations=tracker.n_calls,
-    )  # fmt: skip
+        model=re(p),
+        p=p,
+        loss=float(value),
+        status=status,
+        message=f"{message} (gradient: {used})",
+        history=np.asarray(tracker.history),
+        n_steps=n,
+        raw=res,
+        re=re,
+        n_evaluations=tracker.n_calls,
+    )
 
 
 def _as_scipy(bounds):

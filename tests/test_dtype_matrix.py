@@ -275,10 +275,18 @@ def solve_loss(term, p, x, solver, adjoint, dtype):  # `p`: or `re(p)`, or None
     t = lambda v: jnp.asarray(v, dtype)  # Diffrax promotes y0 to the dtype of time
     rtol, atol = (1e-8, 1e-10) if dtype == F64 else (1e-4, 1e-6)
     sol = diffrax.diffeqsolve(
-        term, solver, t(0.0), t(1.0), t(0.1), jnp.ones(2, dtype), args=(p, x),
-        saveat=diffrax.SaveAt(t1=True), adjoint=adjoint, max_steps=64,
+        term,
+        solver,
+        t(0.0),
+        t(1.0),
+        t(0.1),
+        jnp.ones(2, dtype),
+        args=(p, x),
+        saveat=diffrax.SaveAt(t1=True),
+        adjoint=adjoint,
+        max_steps=64,
         stepsize_controller=diffrax.PIDController(rtol=rtol, atol=atol),
-    )  # fmt: skip
+    )
     return jnp.sum(sol.ys**2)
 
 
@@ -287,23 +295,35 @@ def solve_loss(term, p, x, solver, adjoint, dtype):  # `p`: or `re(p)`, or None
 # promote; float64 Kvaerno5 is in test_diffrax.py.
 SOLVES = {
     "tsit5-checkpoint": (
-        diffrax.Tsit5(), diffrax.RecursiveCheckpointAdjoint(), MODELS, (F32, F64),
+        diffrax.Tsit5(),
+        diffrax.RecursiveCheckpointAdjoint(),
+        MODELS,
+        (F32, F64),
     ),
     "kvaerno5-checkpoint": (
-        diffrax.Kvaerno5(), diffrax.RecursiveCheckpointAdjoint(), ["mlp_float32"], (F32,),
+        diffrax.Kvaerno5(),
+        diffrax.RecursiveCheckpointAdjoint(),
+        ["mlp_float32"],
+        (F32,),
     ),
     "tsit5-backsolve": (
-        diffrax.Tsit5(), diffrax.BacksolveAdjoint(), ["mlp_float32"], (F32, F64),
+        diffrax.Tsit5(),
+        diffrax.BacksolveAdjoint(),
+        ["mlp_float32"],
+        (F32, F64),
     ),
-}  # fmt: skip
+}
 DIFFRAX_CASES = [
     pytest.param(
-        solve, name, dtype, id=f"{solve}-{name}-{dtype}",
+        solve,
+        name,
+        dtype,
+        id=f"{solve}-{name}-{dtype}",
     )
     for solve, (_, _, names, dtypes) in SOLVES.items()
     for name in names
     for dtype in dtypes
-]  # fmt: skip
+]
 
 
 def _ode_setup(name, dtype):

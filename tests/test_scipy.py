@@ -55,9 +55,22 @@ def quad_minimum():
 
 
 METHODS = [
-    "Nelder-Mead", "Powell", "CG", "BFGS", "Newton-CG", "L-BFGS-B", "TNC", "COBYLA",
-    "COBYQA", "SLSQP", "trust-constr", "dogleg", "trust-ncg", "trust-exact", "trust-krylov",
-]  # fmt: skip
+    "Nelder-Mead",
+    "Powell",
+    "CG",
+    "BFGS",
+    "Newton-CG",
+    "L-BFGS-B",
+    "TNC",
+    "COBYLA",
+    "COBYQA",
+    "SLSQP",
+    "trust-constr",
+    "dogleg",
+    "trust-ncg",
+    "trust-exact",
+    "trust-krylov",
+]
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -197,12 +210,16 @@ def count_traces():
 
 def test_second_fit_traces_nothing_for_either_fit():
     fits = [
-        lambda y: sciflat.least_squares(exp_residuals, exp_model(), args=(T, y), progress=False),
-        lambda y: sciflat.minimize(
-            lambda m, t, y: jnp.sum(exp_residuals(m, t, y) ** 2), exp_model(),
-            args=(T, y), progress=False,
+        lambda y: sciflat.least_squares(
+            exp_residuals, exp_model(), args=(T, y), progress=False
         ),
-    ]  # fmt: skip
+        lambda y: sciflat.minimize(
+            lambda m, t, y: jnp.sum(exp_residuals(m, t, y) ** 2),
+            exp_model(),
+            args=(T, y),
+            progress=False,
+        ),
+    ]
     y2 = Y * 2.0
     for fit in fits:
         first = fit(Y)
@@ -224,9 +241,10 @@ def test_second_fit_traces_nothing_for_either_fit():
 def test_new_lambdas_share_a_compilation_and_changed_values_do_not():
     def fit(closed_over):
         return sciflat.minimize(
-            lambda m: jnp.sum((m.a - closed_over) ** 2) + m.b**2, quad_model(),
+            lambda m: jnp.sum((m.a - closed_over) ** 2) + m.b**2,
+            quad_model(),
             progress=False,
-        )  # fmt: skip
+        )
 
     target = np.asarray([1.0, 2.0, 3.0])
     fit(target)
@@ -277,9 +295,14 @@ def test_matmul_precision_is_part_of_the_key():
 def test_a_failed_mode_is_remembered(lv_data):
     def loss(m, data):  # the default adjoint: forward mode fails, reverse works
         sol = diffrax.diffeqsolve(
-            diffrax.ODETerm(m), diffrax.Tsit5(), 0.0, 1.0, 0.1, jnp.asarray([1.0, 1.0]),
+            diffrax.ODETerm(m),
+            diffrax.Tsit5(),
+            0.0,
+            1.0,
+            0.1,
+            jnp.asarray([1.0, 1.0]),
             saveat=diffrax.SaveAt(ts=TS[:6]),
-        )  # fmt: skip
+        )
         return jnp.sum((sol.ys - data[:6]) ** 2)
 
     fit = lambda: sciflat.minimize(
@@ -385,9 +408,12 @@ def test_callback_returning_true_stops_at_that_iterate(fit):
         )
     else:
         res = sciflat.least_squares(
-            lambda m, c: m.a**2 - c, quad_model(), args=(C,), callback=callback,
+            lambda m, c: m.a**2 - c,
+            quad_model(),
+            args=(C,),
+            callback=callback,
             progress=False,
-        )  # fmt: skip
+        )
     assert [s for s, _, _ in seen] == [1, 2]
     assert res.status == "converged" and res.message.startswith("`callback` asked")
     assert res.n_steps == 2 and list(res.history) == [v for _, v, _ in seen]
@@ -679,10 +705,17 @@ class LotkaVolterra(eqx.Module):
 def lv_solve(model):
     # ForwardMode: the few-parameter fit differentiates forward (see docs/scipy.md).
     sol = diffrax.diffeqsolve(
-        diffrax.ODETerm(model), diffrax.Tsit5(), 0.0, 5.0, 0.01, jnp.asarray([1.0, 1.0]),
-        saveat=diffrax.SaveAt(ts=TS), adjoint=diffrax.ForwardMode(),
-        stepsize_controller=diffrax.PIDController(rtol=1e-10, atol=1e-10), max_steps=8192,
-    )  # fmt: skip
+        diffrax.ODETerm(model),
+        diffrax.Tsit5(),
+        0.0,
+        5.0,
+        0.01,
+        jnp.asarray([1.0, 1.0]),
+        saveat=diffrax.SaveAt(ts=TS),
+        adjoint=diffrax.ForwardMode(),
+        stepsize_controller=diffrax.PIDController(rtol=1e-10, atol=1e-10),
+        max_steps=8192,
+    )
     return sol.ys
 
 
@@ -710,9 +743,13 @@ def test_lotka_volterra_rates_recovered(lv_data, fit):
     clean, noisy = lv_data
     if fit == "minimize":
         run = lambda data: sciflat.minimize(
-            lv_loss, START, args=(data,), bounds=POSITIVE, progress=False,
+            lv_loss,
+            START,
+            args=(data,),
+            bounds=POSITIVE,
+            progress=False,
             options={"ftol": 0.0, "gtol": 1e-12, "maxiter": 500},
-        )  # fmt: skip
+        )
     else:
         run = lambda data: sciflat.least_squares(
             lv_residuals,

@@ -72,9 +72,13 @@ def setup():
         return solve_loss(re(p), y0, solver)
 
     return dict(
-        ude=ude, p_ravel=p_ravel, p_sci=p_sci, y0=jnp.array([1.0, -0.5]),
-        loss_ravel=loss_ravel, loss_sciflat=loss_sciflat,
-    )  # fmt: skip
+        ude=ude,
+        p_ravel=p_ravel,
+        p_sci=p_sci,
+        y0=jnp.array([1.0, -0.5]),
+        loss_ravel=loss_ravel,
+        loss_sciflat=loss_sciflat,
+    )
 
 
 def test_ravel_pytree_hides_float32_matmuls(setup):
@@ -110,9 +114,8 @@ def test_values_ravel_is_float32_accurate_sciflat_matches_float64_reference(setu
     ude, y0 = setup["ude"], setup["y0"]
     ude64 = jax.tree.map(lambda x: x.astype(F64) if eqx.is_inexact_array(x) else x, ude)
 
-    solver = (
-        diffrax.Euler()
-    )  # the dtype story is not the solver's; Euler compiles fastest
+    # The dtype story is not the solver's; Euler compiles fastest.
+    solver = diffrax.Euler()
 
     @eqx.filter_jit
     def all_three(p_ravel, p_sci, ude64):
