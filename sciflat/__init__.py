@@ -26,17 +26,17 @@ from ._uncertainty import (
 # `import sciflat` costs only what `destructure` needs (CONTRIBUTING.md has the figures).
 if typing.TYPE_CHECKING:
     from ._fit import fit as fit
-    from ._least_squares import least_squares as least_squares
     from ._multistart import (
         MultiStartResult as MultiStartResult,
         multistart as multistart,
     )
-    from ._scipy import minimize as minimize
+    from ._scipy_least_squares import least_squares as least_squares
+    from ._scipy_minimize import minimize as minimize
 
 _LAZY = {
     "fit": "._fit",
-    "least_squares": "._least_squares",
-    "minimize": "._scipy",
+    "least_squares": "._scipy_least_squares",
+    "minimize": "._scipy_minimize",
     "multistart": "._multistart",
     "MultiStartResult": "._multistart",
 }

@@ -15,9 +15,9 @@ import numpy as np
 
 from ._dtypes import X64_FIX, x64_enabled
 from ._flatten import Restructure, destructure
-from ._fn_key import Same, function_key, identity_key
 from ._layout import names as _names, nonfinite_paths
 from ._progress import progress_bar
+from ._scipy_fn_key import Same, function_key, identity_key
 from ._validate import as_flat_vector
 
 

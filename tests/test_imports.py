@@ -28,8 +28,8 @@ def test_import_sciflat_loads_no_integration_until_used():
 def test_lazy_names_are_the_real_functions():
     import sciflat
     from sciflat._fit import fit
-    from sciflat._least_squares import least_squares
-    from sciflat._scipy import minimize
+    from sciflat._scipy_least_squares import least_squares
+    from sciflat._scipy_minimize import minimize
 
     assert (sciflat.fit, sciflat.minimize, sciflat.least_squares) == (
         fit,

@@ -23,8 +23,8 @@ import scipy.optimize
 
 import sciflat
 from helpers import Tied, float_dtypes_in_jaxpr
-from sciflat import _scipy, _scipy_problem as sp
-from sciflat._fn_key import function_key, identity_key
+from sciflat import _scipy_minimize, _scipy_problem as sp
+from sciflat._scipy_fn_key import function_key, identity_key
 
 
 class Quad(eqx.Module):
@@ -168,11 +168,11 @@ def test_hessp_is_forward_over_reverse_hessian_vector_product(monkeypatch):
 def test_gradient_jaxpr_is_float64_only():
     lin = eqx.nn.Linear(1, 1, key=jax.random.key(0))
     model = TiedNet(Tied(lin, lin), jnp.asarray(0.7, jnp.float32))
-    x0, re = _scipy.sp.start(model, None, True, "minimize")
+    x0, re = _scipy_minimize.sp.start(model, None, True, "minimize")
     data = [jnp.ones((4, 1)), jnp.zeros((4, 1))]
-    _, rebuild = _scipy.sp.split_args(tuple(data))
+    _, rebuild = _scipy_minimize.sp.split_args(tuple(data))
     for mode in ("forward", "reverse"):
-        fn = _scipy._build("value_and_grad", tied_loss, re, rebuild, mode)
+        fn = _scipy_minimize._build("value_and_grad", tied_loss, re, rebuild, mode)
         assert float_dtypes_in_jaxpr(jax.make_jaxpr(fn)(x0, data)) == {"float64"}
 
 
