@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ._audit_precision import FIX
 from ._audit_source import Location
 
 
@@ -13,7 +14,7 @@ from ._audit_source import Location
 # Findings and the report
 #
 
-Kind = Literal["op", "narrow", "widen", "convert"]
+Kind = Literal["op", "narrow", "widen", "convert", "precision"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +75,7 @@ class DtypeReport:
     allowed: tuple[Finding, ...]
     n_checked: int
     out: Any = dataclasses.field(default=None, compare=False)
+    precision: tuple[Finding, ...] = ()
 
     def __len__(self) -> int:
         return len(self.findings)
@@ -92,13 +94,19 @@ class DtypeReport:
             )
         if self.allowed:
             head += f" ({sum(f.count for f in self.allowed)} allowed)"
-        return head + ("\n" + _table(self.findings) if self.findings else "")
+        text = head + ("\n" + _table(self.findings) if self.findings else "")
+        return text + (_precision_text(self.precision) if self.precision else "")
 
     __repr__ = __str__
 
-    def raise_if_any(self) -> "DtypeReport":
+    def raise_if_any(self, *, precision: bool | None = None) -> "DtypeReport":
         """Raises a `TypeError` holding the table if anything was found; else returns
-        the report."""
+        the report.
+
+        `precision`: also raise for the products in `report.precision` (float32 at
+        DEFAULT precision): `True` always, `False` never, `None` (default) only where
+        they lose bits, i.e. when JAX's default backend is not the CPU.
+        """
         if self.findings:
             raise TypeError(
                 f"{self}\nEvery floating-point op should compute in "
@@ -106,6 +114,8 @@ class DtypeReport:
                 '`allow`, e.g. `allow=[("dot_general", "bfloat16")]` or '
                 '`allow=["float32"]`.'
             )
+        if self.precision and _precision_matters(precision):
+            raise TypeError(f"{self}\nTo compute them in float32, {FIX}.")
         return self
 
 
@@ -120,6 +130,24 @@ def _table(findings: Sequence[Finding]) -> str:
     return "\n".join(lines)
 
 
+def _precision_text(products: Sequence[Finding]) -> str:
+    n = sum(f.count for f in products)
+    return (
+        f"\n{n} float32 products in {len(products)} groups at DEFAULT precision: exact "
+        "on CPU, but GPUs (TF32, Ampere and later) and TPUs (bfloat16 passes) compute "
+        f"them with 8-10 mantissa bits instead of 23; to keep float32, {FIX}\n"
+        + _table(products)
+    )
+
+
+def _precision_matters(precision: bool | None) -> bool:
+    if precision is None:
+        import jax
+
+        return jax.default_backend() != "cpu"
+    return precision
+
+
 #
 # The allow list
 #
@@ -127,7 +155,9 @@ def _table(findings: Sequence[Finding]) -> str:
 AllowEntry = Any  # a dtype, (primitive, dtype), or Callable[[Finding], bool]
 
 
-def allow_rule(allow: Sequence[AllowEntry]) -> Callable[[Finding, frozenset], bool]:
+def allow_rule(
+    allow: Sequence[AllowEntry],
+) -> Callable[[Finding, frozenset | None], bool]:
     """Turns the user's `allow` list into one predicate (finding, dtypes) -> allowed."""
     dtypes, pairs, predicates = set(), set(), []
     for entry in allow:
@@ -143,8 +173,11 @@ def allow_rule(allow: Sequence[AllowEntry]) -> Callable[[Finding, frozenset], bo
         else:
             dtypes.add(_dtype(entry))
 
-    def rule(finding: Finding, off: frozenset) -> bool:
-        # `off`: the finding's dtypes that are not the expected ones.
+    def rule(finding: Finding, off: frozenset | None) -> bool:
+        # `off`: the finding's dtypes that are not the expected ones (None: not a
+        # dtype finding, which only a function can allow).
+        if off is None:
+            return any(pred(finding) for pred in predicates)
         if off <= dtypes:
             return True
         if any(finding.primitive == prim and off <= {dt} for prim, dt in pairs):
