@@ -11,8 +11,8 @@ from ._dtypes import real_dtype
 PRODUCTS = frozenset({"dot_general", "conv_general_dilated"})
 
 FIX = (
-    'wrap the computation in `with jax.default_matmul_precision("highest"):` (or pass '
-    '`precision="highest"` to each product)'
+    'wrap the computation in `with jax.default_matmul_precision("highest"):`\n'
+    '(or pass `precision="highest"` to each product)'
 )
 
 

@@ -134,8 +134,8 @@ def _precision_text(products: Sequence[Finding]) -> str:
     n = sum(f.count for f in products)
     return (
         f"\n{n} float32 products in {len(products)} groups at DEFAULT precision: exact "
-        "on CPU, but GPUs (TF32, Ampere and later) and TPUs (bfloat16 passes) compute "
-        f"them with 8-10 mantissa bits instead of 23; to keep float32, {FIX}\n"
+        "on CPU, but GPUs (TF32) and\nTPUs (bfloat16) round their inputs to 11 or 8 "
+        f"significant bits of float32's 24. To keep\nfloat32, {FIX}.\n"
         + _table(products)
     )
 
