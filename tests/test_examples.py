@@ -210,8 +210,9 @@ def test_pinn_float32_then_float64(pinn):
 
 @pytest.mark.slow
 def test_pinn_default_run_is_accurate(pinn, tmp_path):
-    # The run a newcomer sees: measured 1.8e-2 (seed 1), see examples/pinn/README.md.
-    run = pinn.main(out=str(tmp_path), progress=False, report_every=1000)
+    # The default run at seed 1, measured 1.8e-2. Seeds 0 and 2 reach a loss as small
+    # with the shock misplaced (error 0.14-0.15): examples/pinn/README.md.
+    run = pinn.main(seed=1, out=str(tmp_path), progress=False, report_every=1000)
     assert run["error"] < 5e-2
     assert (tmp_path / "burgers.png").stat().st_size > 10_000
 
