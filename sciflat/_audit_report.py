@@ -23,10 +23,11 @@ class Finding:
 
     `kind` is `"op"` (an operation whose output has an unexpected floating dtype),
     `"narrow"` / `"widen"` (a `convert_element_type` to a smaller / larger floating
-    dtype) or `"convert"` (between floating dtypes of one size, e.g. float16 and
-    bfloat16). `primitive` is the JAX primitive's name (`"dot_general"`,
-    `"convert_element_type"`, ...); `source` is the dtype converted from (`None` for an
-    `"op"`); `dtype` the dtype of the output; `where` the line of the user's code
+    dtype), `"convert"` (between floating dtypes of one size, e.g. float16 and
+    bfloat16) or `"precision"` (a float32 product at DEFAULT precision, in
+    `report.precision`: `dtype` is its operands'). `primitive` is the JAX primitive's
+    name (`"dot_general"`, `"convert_element_type"`, ...); `source` is the dtype
+    converted from (`None` for an `"op"`); `dtype` the dtype of the output; `where` the line of the user's code
     (`where.file`, `where.line`, `where.function`); `count` how many operations of the
     traced program (nested ones included) fall in this group.
     """
@@ -55,7 +56,10 @@ class DtypeReport:
     an op inside a loop body counts once, however many times the loop runs.
     `len(report)` is the number of groups found, so a clean report is falsy. `out`
     holds the `jax.ShapeDtypeStruct`s of what was traced: `fn(p, *args)`, or
-    `(fn(p, *args), gradient)` for `grad=True`.
+    `(fn(p, *args), gradient)` for `grad=True`. `precision` holds, grouped the same
+    way (kind `"precision"`), the float32 matrix products and convolutions at DEFAULT
+    precision, which GPUs and TPUs compute with TF32 or bfloat16 passes; they are not
+    findings (`raise_if_any(precision=...)` decides).
 
     !!! Example
 
