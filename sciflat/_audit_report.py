@@ -27,9 +27,10 @@ class Finding:
     bfloat16) or `"precision"` (a float32 product at DEFAULT precision, in
     `report.precision`: `dtype` is its operands'). `primitive` is the JAX primitive's
     name (`"dot_general"`, `"convert_element_type"`, ...); `source` is the dtype
-    converted from (`None` for an `"op"`); `dtype` the dtype of the output; `where` the line of the user's code
-    (`where.file`, `where.line`, `where.function`); `count` how many operations of the
-    traced program (nested ones included) fall in this group.
+    converted from (`None` for an `"op"`); `dtype` the dtype of the output; `where`
+    the line of the user's code (`where.file`, `where.line`, `where.function`); `count`
+    how many operations of the traced program (nested ones included) fall in this
+    group.
     """
 
     kind: Kind
