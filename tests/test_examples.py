@@ -210,9 +210,9 @@ def test_pinn_float32_then_float64(pinn):
 
 @pytest.mark.slow
 def test_pinn_default_run_is_accurate(pinn, tmp_path):
-    # The default run at seed 1, measured 1.8e-2. Seeds 0 and 2 reach a loss as small
-    # with the shock misplaced (error 0.14-0.15): examples/pinn/README.md.
-    run = pinn.main(seed=1, out=str(tmp_path), progress=False, report_every=1000)
+    # The run a newcomer sees (seed 0): 1.5e-2 at iteration 2,500, where 2,000
+    # collocation points left it at 0.15 with the shock misplaced (examples/pinn/README.md).
+    run = pinn.main(out=str(tmp_path), progress=False, report_every=1000)
     assert run["error"] < 5e-2
     assert (tmp_path / "burgers.png").stat().st_size > 10_000
 

@@ -11,7 +11,7 @@ solution is the Cole–Hopf closed form, evaluated by Gauss–Hermite quadrature
 the classic dataset of Raissi et al.). The relative L2 error against it is printed
 while training: a small loss does not prove a small error.
 
-Run it (about a minute on 2 CPU cores), or the original settings of Raissi et al.
+Run it (2-3 minutes on 2 CPU cores), or the original settings of Raissi et al.
 (2019), in float64, float32, or float32 then float64:
 
     python examples/pinn/train.py
@@ -152,9 +152,9 @@ def main(
     width=20,
     depth=8,
     n_u=100,
-    n_f=2000,
+    n_f=4000,
     adam_steps=0,
-    lbfgs_steps=4000,
+    lbfgs_steps=3000,
     lr=1e-3,
     init="xavier",
     dtype="float64",
@@ -290,7 +290,7 @@ def compare_precision(*, lbfgs_steps=2000, seed=0, repeats=20, **kwargs):
 
         python examples/pinn/train.py --compare-precision
     """
-    points = make_points(100, kwargs.get("n_f", 2000), seed=seed, dtype=jnp.float32)
+    points = make_points(100, kwargs.get("n_f", 4000), seed=seed, dtype=jnp.float32)
     model = PINN(
         kwargs.get("width", 20), kwargs.get("depth", 8), key=jax.random.key(seed)
     )
@@ -356,9 +356,9 @@ def _parse(argv=None):
     add = parser.add_argument
     add("--width", type=int, default=20, help="hidden width")
     add("--depth", type=int, default=8, help="hidden layers")
-    add("--n-f", dest="n_f", type=int, default=2000, help="collocation points")
+    add("--n-f", dest="n_f", type=int, default=4000, help="collocation points")
     add("--adam-steps", type=int, default=0, help="Adam steps before L-BFGS-B")
-    add("--lbfgs-steps", type=int, default=4000, help="L-BFGS-B iterations at most")
+    add("--lbfgs-steps", type=int, default=3000, help="L-BFGS-B iterations at most")
     add("--init", choices=["xavier", "equinox"], default="xavier")
     add("--dtype", choices=["float64", "float32", "float32-then-float64"],
         default="float64")  # fmt: skip
