@@ -54,7 +54,7 @@ def _traced(fn: Callable, grad: bool) -> Callable:
     return value_and_grad
 
 
-def _group(counts: Counter, expected: np.dtype, allow) -> tuple[list, list]:
+def _group(counts: Counter, expected: np.dtype, allow) -> tuple:
     ok = {expected}
     if expected.itemsize in (4, 8):
         ok.add(np.dtype(jnp.complex64 if expected.itemsize == 4 else jnp.complex128))
@@ -67,13 +67,17 @@ def _group(counts: Counter, expected: np.dtype, allow) -> tuple[list, list]:
         if kind == "op" and dtype in ok:
             continue
         merged[(kind, prim, src, dtype, user_location(chain))] += n
-    findings, allowed = [], []
+    findings, allowed, products = [], [], []
     for (kind, prim, src, dtype, where), n in merged.items():
         finding = Finding(kind, prim, src, dtype, where, n)
+        if kind == "precision":
+            # Not a dtype: only a function in `allow` can say it is intended.
+            (allowed if allow(finding, None) else products).append(finding)
+            continue
         off = frozenset({src, dtype} - ok - {None})
         (allowed if allow(finding, off) else findings).append(finding)
     order = lambda f: (f.where, -f.count, f.primitive, f.dtypes)
-    return sorted(findings, key=order), sorted(allowed, key=order)
+    return tuple(sorted(x, key=order) for x in (findings, allowed, products))
 
 
 def audit_dtypes(
@@ -95,6 +99,10 @@ def audit_dtypes(
     (float64 -> float32) or widen a computed value. Not reported: Python scalars (weak
     types), integer and boolean arithmetic, and inputs or constants converted up to the
     expected dtype. Findings are grouped by op, dtypes and line of your code.
+
+    Separately, `report.precision` lists the float32 matrix products and convolutions
+    at DEFAULT precision (as traced: `jax.default_matmul_precision` applies), which
+    GPUs and TPUs compute with TF32 or bfloat16 passes; they are exact on CPU.
 
     !!! Example
 
@@ -129,10 +137,12 @@ def audit_dtypes(
     closed, out_dynamic, out_static = eqx.filter_make_jaxpr(_traced(fn, grad))(p, *args)
     walker = Walker()
     counts, n_checked, _ = walker.walk(closed.jaxpr, (True,) * len(closed.jaxpr.invars))
-    findings, allowed = _group(counts, expected, rule)
+    findings, allowed, products = _group(counts, expected, rule)
     name = getattr(fn, "__qualname__", None) or type(fn).__name__
     out = eqx.combine(out_dynamic, out_static)
-    return DtypeReport(name, expected, tuple(findings), tuple(allowed), n_checked, out)
+    return DtypeReport(
+        name, expected, tuple(findings), tuple(allowed), n_checked, out, tuple(products)
+    )
 
 
 def assert_dtypes(
@@ -142,9 +152,11 @@ def assert_dtypes(
     grad: bool = True,
     expect: Any = None,
     allow: Sequence[AllowEntry] = (),
+    precision: bool | None = None,
 ) -> DtypeReport:
     """[`sciflat.audit_dtypes`][] for tests: raises an `AssertionError` with the table
-    if any op leaves the expected dtype.
+    if any op leaves the expected dtype (and, on GPU/TPU, if a float32 product runs at
+    DEFAULT precision).
 
     !!! Example
 
@@ -153,11 +165,17 @@ def assert_dtypes(
             sciflat.assert_dtypes(loss, p, x, y)
         ```
 
-    **Arguments:** as for [`sciflat.audit_dtypes`][].
+    **Arguments:** as for [`sciflat.audit_dtypes`][], and
+
+    - `precision`: also raise for float32 products at DEFAULT precision
+        (`report.precision`): `True` always, `False` never, `None` (default) when JAX's
+        default backend is not the CPU, where they would lose bits.
 
     **Returns:** the (clean) [`sciflat.DtypeReport`][].
     """
     report = audit_dtypes(fn, p, *args, grad=grad, expect=expect, allow=allow)
-    if report.findings:
-        raise AssertionError(str(report))
+    try:
+        report.raise_if_any(precision=precision)
+    except TypeError:
+        raise AssertionError(str(report)) from None
     return report

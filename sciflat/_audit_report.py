@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ._audit_precision import FIX
 from ._audit_source import Location
 
 
@@ -13,7 +14,7 @@ from ._audit_source import Location
 # Findings and the report
 #
 
-Kind = Literal["op", "narrow", "widen", "convert"]
+Kind = Literal["op", "narrow", "widen", "convert", "precision"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,12 +23,14 @@ class Finding:
 
     `kind` is `"op"` (an operation whose output has an unexpected floating dtype),
     `"narrow"` / `"widen"` (a `convert_element_type` to a smaller / larger floating
-    dtype) or `"convert"` (between floating dtypes of one size, e.g. float16 and
-    bfloat16). `primitive` is the JAX primitive's name (`"dot_general"`,
-    `"convert_element_type"`, ...); `source` is the dtype converted from (`None` for an
-    `"op"`); `dtype` the dtype of the output; `where` the line of the user's code
-    (`where.file`, `where.line`, `where.function`); `count` how many operations of the
-    traced program (nested ones included) fall in this group.
+    dtype), `"convert"` (between floating dtypes of one size, e.g. float16 and
+    bfloat16) or `"precision"` (a float32 product at DEFAULT precision, in
+    `report.precision`: `dtype` is its operands'). `primitive` is the JAX primitive's
+    name (`"dot_general"`, `"convert_element_type"`, ...); `source` is the dtype
+    converted from (`None` for an `"op"`); `dtype` the dtype of the output; `where`
+    the line of the user's code (`where.file`, `where.line`, `where.function`); `count`
+    how many operations of the traced program (nested ones included) fall in this
+    group.
     """
 
     kind: Kind
@@ -54,7 +57,10 @@ class DtypeReport:
     an op inside a loop body counts once, however many times the loop runs.
     `len(report)` is the number of groups found, so a clean report is falsy. `out`
     holds the `jax.ShapeDtypeStruct`s of what was traced: `fn(p, *args)`, or
-    `(fn(p, *args), gradient)` for `grad=True`.
+    `(fn(p, *args), gradient)` for `grad=True`. `precision` holds, grouped the same
+    way (kind `"precision"`), the float32 matrix products and convolutions at DEFAULT
+    precision, which GPUs and TPUs compute with TF32 or bfloat16 passes; they are not
+    findings (`raise_if_any(precision=...)` decides).
 
     !!! Example
 
@@ -74,6 +80,7 @@ class DtypeReport:
     allowed: tuple[Finding, ...]
     n_checked: int
     out: Any = dataclasses.field(default=None, compare=False)
+    precision: tuple[Finding, ...] = ()
 
     def __len__(self) -> int:
         return len(self.findings)
@@ -92,13 +99,19 @@ class DtypeReport:
             )
         if self.allowed:
             head += f" ({sum(f.count for f in self.allowed)} allowed)"
-        return head + ("\n" + _table(self.findings) if self.findings else "")
+        text = head + ("\n" + _table(self.findings) if self.findings else "")
+        return text + (_precision_text(self.precision) if self.precision else "")
 
     __repr__ = __str__
 
-    def raise_if_any(self) -> "DtypeReport":
+    def raise_if_any(self, *, precision: bool | None = None) -> "DtypeReport":
         """Raises a `TypeError` holding the table if anything was found; else returns
-        the report."""
+        the report.
+
+        `precision`: also raise for the products in `report.precision` (float32 at
+        DEFAULT precision): `True` always, `False` never, `None` (default) only where
+        they lose bits, i.e. when JAX's default backend is not the CPU.
+        """
         if self.findings:
             raise TypeError(
                 f"{self}\nEvery floating-point op should compute in "
@@ -106,6 +119,8 @@ class DtypeReport:
                 '`allow`, e.g. `allow=[("dot_general", "bfloat16")]` or '
                 '`allow=["float32"]`.'
             )
+        if self.precision and _precision_matters(precision):
+            raise TypeError(f"{self}\nTo compute them in float32, {FIX}.")
         return self
 
 
@@ -120,6 +135,24 @@ def _table(findings: Sequence[Finding]) -> str:
     return "\n".join(lines)
 
 
+def _precision_text(products: Sequence[Finding]) -> str:
+    n = sum(f.count for f in products)
+    return (
+        f"\n{n} float32 products in {len(products)} groups at DEFAULT precision: exact "
+        "on CPU, but GPUs (TF32) and\nTPUs (bfloat16) round their inputs to 11 or 8 "
+        f"significant bits of float32's 24. To keep\nfloat32, {FIX}.\n"
+        + _table(products)
+    )
+
+
+def _precision_matters(precision: bool | None) -> bool:
+    if precision is None:
+        import jax
+
+        return jax.default_backend() != "cpu"
+    return precision
+
+
 #
 # The allow list
 #
@@ -127,7 +160,9 @@ def _table(findings: Sequence[Finding]) -> str:
 AllowEntry = Any  # a dtype, (primitive, dtype), or Callable[[Finding], bool]
 
 
-def allow_rule(allow: Sequence[AllowEntry]) -> Callable[[Finding, frozenset], bool]:
+def allow_rule(
+    allow: Sequence[AllowEntry],
+) -> Callable[[Finding, frozenset | None], bool]:
     """Turns the user's `allow` list into one predicate (finding, dtypes) -> allowed."""
     dtypes, pairs, predicates = set(), set(), []
     for entry in allow:
@@ -143,8 +178,11 @@ def allow_rule(allow: Sequence[AllowEntry]) -> Callable[[Finding, frozenset], bo
         else:
             dtypes.add(_dtype(entry))
 
-    def rule(finding: Finding, off: frozenset) -> bool:
-        # `off`: the finding's dtypes that are not the expected ones.
+    def rule(finding: Finding, off: frozenset | None) -> bool:
+        # `off`: the finding's dtypes that are not the expected ones (None: not a
+        # dtype finding, which only a function can allow).
+        if off is None:
+            return any(pred(finding) for pred in predicates)
         if off <= dtypes:
             return True
         if any(finding.primitive == prim and off <= {dt} for prim, dt in pairs):

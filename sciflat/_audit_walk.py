@@ -8,6 +8,7 @@ from typing import Any
 import jax.extend.core as jex
 import numpy as np
 
+from ._audit_precision import default_precision
 from ._dtypes import is_inexact, real_dtype
 
 
@@ -117,6 +118,8 @@ def _check(eqn, is_data, counts: Counter) -> int:
         return 0
     tb = eqn.source_info.traceback
     name = eqn.primitive.name
+    if (dtype := default_precision(eqn)) is not None:
+        counts[("precision", name, None, dtype, (tb,))] += 1
     if name in _MOVES and all(is_data(v) for v in eqn.invars if _inexact_aval(v)):
         return 1  # moving an input or constant around computes nothing
     if name == "convert_element_type":

@@ -385,3 +385,29 @@ def test_planted_float32_stretch_is_found_exactly(steps, data):
 
 
 _OPS_PRIMITIVE = {"sin": "sin", "tanh": "tanh", "mul": "mul", "add": "add"}
+
+
+# What docs/audit.md tells bfloat16 users to allow for jnp.sum and jnp.mean.
+BF16_SUM = [
+    ("reduce_sum", "float32"),
+    ("broadcast_in_dim", "float32"),
+    ("convert_element_type", "float32"),
+]
+BF16_MEAN = [*BF16_SUM, ("div", "float32")]
+
+
+def test_documented_bfloat16_allowances_cover_sum_and_mean():
+    p = jnp.ones(8, jnp.bfloat16)
+    total = lambda p: jnp.sum(p**2)
+    mean = lambda p: jnp.mean(p**2)
+    # Both accumulate in float32 on purpose; without an allowance, that is reported.
+    assert sciflat.audit_dtypes(total, p) and sciflat.audit_dtypes(mean, p)
+    sciflat.assert_dtypes(total, p, allow=BF16_SUM)
+    sciflat.assert_dtypes(mean, p, allow=BF16_MEAN)
+    # The mean divides by the count in float32 too: the sum's list is not enough.
+    (div,) = sciflat.audit_dtypes(mean, p, allow=BF16_SUM).findings
+    assert (div.primitive, div.dtype) == ("div", F32)
+    # And the allowances do not hide a float32 computation of the user's own.
+    own = lambda p: jnp.mean(p.astype(jnp.float32) ** 2).astype(p.dtype)
+    report = sciflat.audit_dtypes(own, p, allow=BF16_MEAN)
+    assert "integer_pow" in {f.primitive for f in report.findings}

@@ -170,6 +170,53 @@ def test_pinn_learns_and_plots(pinn, tmp_path):
     assert (tmp_path / "burgers.png").stat().st_size > 10_000
 
 
+def test_pinn_xavier_init_and_input_scaling(pinn):
+    model = pinn.PINN(20, 3, key=jax.random.key(0))
+    for layer in model.mlp.layers:
+        fan_out, fan_in = layer.weight.shape
+        std = np.sqrt(2 / (fan_in + fan_out))
+        w = np.asarray(layer.weight)
+        assert np.all(layer.bias == 0) and np.abs(w).max() <= 2 * std
+        if w.size >= 400:  # a normal truncated at 2σ has standard deviation 0.880σ
+            assert abs(w.std() / (0.880 * std) - 1) < 0.15
+    # The data's corners reach the network as (±1, ±1).
+    for (x, t), z in [((-1.0, 0.0), (-1, -1)), ((1.0, 0.99), (1, 1))]:
+        expected = model.mlp(jnp.asarray(z, jnp.float32))
+        np.testing.assert_allclose(model(jnp.float32(x), jnp.float32(t)), expected)
+
+
+def test_pinn_points_are_the_originals(pinn):
+    (xf, tf), (xu, tu, u) = pinn.make_points(100, 500, seed=0, dtype=jnp.float64)
+    assert len(xf) == 500 + 456 and len(xu) == 100  # boundary points are collocated
+    np.testing.assert_allclose(
+        u, pinn.reference(np.asarray(xu), [0.0])[:, 0] * (tu == 0)
+    )
+    assert np.all((tu == 0) | (np.abs(xu) == 1))  # each is an initial or boundary point
+    assert xf.min() >= -1 and xf.max() <= 1 and tf.min() >= 0 and tf.max() <= 0.99
+
+
+@pytest.mark.slow
+def test_pinn_float32_then_float64(pinn):
+    run = pinn.main(
+        width=8, depth=2, n_f=200, lbfgs_steps=150, dtype="float32-then-float64",
+        report_every=0, out=None, progress=False,
+    )  # fmt: skip
+    first, second = run["stages"]
+    assert first["stage"].endswith("float32") and second["stage"].endswith("float64")
+    assert run["p"].dtype == jnp.float64
+    # The float64 stage goes on from where float32 stopped, and improves on it.
+    assert second["loss"] < first["loss"] < run["history"][0]
+
+
+@pytest.mark.slow
+def test_pinn_default_run_is_accurate(pinn, tmp_path):
+    # The run a newcomer sees (seed 0): 1.5e-2 at iteration 2,500, where 2,000
+    # collocation points left it at 0.15 with the shock misplaced (examples/pinn/README.md).
+    run = pinn.main(out=str(tmp_path), progress=False, report_every=1000)
+    assert run["error"] < 5e-2
+    assert (tmp_path / "burgers.png").stat().st_size > 10_000
+
+
 def test_pinn_loss_stays_float64(pinn):
     points = pinn.make_points(10, 20, seed=0, dtype=jnp.float64)
     p, re = sciflat.destructure(

@@ -1,18 +1,22 @@
-"""PINN: the viscous Burgers equation, Adam (Optax) then L-BFGS-B (SciPy) on one `p`.
+"""PINN: the viscous Burgers equation, trained with SciPy's L-BFGS-B on one flat `p`.
 
     u_t + u u_x = (0.01/π) u_xx,   x in [-1, 1], t in [0, 1],
     u(x, 0) = -sin(πx),   u(-1, t) = u(1, t) = 0.
 
-The network u(x, t) is an Equinox MLP; its derivatives come from JAX autodiff. It is
-trained with Adam (`sciflat.fit`) and refined with SciPy's L-BFGS-B
-(`sciflat.minimize`): both work on the same flat float64 vector, so the second starts
-exactly where the first stopped. The reference solution is the Cole–Hopf closed form,
-evaluated by Gauss–Hermite quadrature (as for the classic dataset of Raissi et al.).
+The network u(x, t) is an Equinox MLP (Xavier initialisation, inputs scaled to
+[-1, 1]); its derivatives come from JAX autodiff. An optional Adam warm start
+(`sciflat.fit`, Optax) and L-BFGS-B (`sciflat.minimize`, SciPy) work on the same flat
+float64 vector, so the second starts exactly where the first stopped. The reference
+solution is the Cole–Hopf closed form, evaluated by Gauss–Hermite quadrature (as for
+the classic dataset of Raissi et al.). The relative L2 error against it is printed
+while training: a small loss does not prove a small error.
 
-Run it (under a minute on 2 CPU cores), or the configuration of Raissi et al. (2019):
+Run it (2-3 minutes on 2 CPU cores), or the original settings of Raissi et al.
+(2019), in float64, float32, or float32 then float64:
 
     python examples/pinn/train.py
-    python examples/pinn/train.py --full
+    python examples/pinn/train.py --paper --report-every 1000
+    python examples/pinn/train.py --paper --dtype float32-then-float64
 """
 
 import argparse
@@ -25,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import scipy
 import scipy.stats
 
 import sciflat
@@ -35,6 +40,8 @@ OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "outputs")  # plo
 jax.config.update("jax_enable_x64", True)  # float64 exists only with 64-bit mode on
 
 NU = 0.01 / np.pi
+X_GRID, T_GRID = np.linspace(-1, 1, 256), np.linspace(0, 0.99, 100)  # the classic grid
+LOWER, UPPER = (-1.0, 0.0), (1.0, 0.99)  # the data's bounds, as in the original code
 
 #
 # The reference: Cole–Hopf, u = -2ν ∂x log φ with φ solving the heat equation.
@@ -63,13 +70,31 @@ def reference(x, t, n_quad=200):
 class PINN(eqx.Module):
     mlp: eqx.nn.MLP
 
-    def __init__(self, width, depth, *, key):
-        self.mlp = eqx.nn.MLP(
+    def __init__(self, width, depth, *, key, init="xavier"):
+        mlp = eqx.nn.MLP(
             2, "scalar", width, depth, activation=jnp.tanh, dtype=jnp.float32, key=key
         )
+        self.mlp = xavier(mlp, key) if init == "xavier" else mlp
 
     def __call__(self, x, t):
-        return self.mlp(jnp.stack([x, 2 * t - 1]))  # inputs scaled to [-1, 1]
+        # Inputs scaled to [-1, 1] with the data's bounds, inside the network.
+        lo, hi = jnp.asarray(LOWER), jnp.asarray(UPPER)
+        z = jnp.stack([x, t])
+        return self.mlp(2 * (z - lo.astype(z.dtype)) / (hi - lo).astype(z.dtype) - 1)
+
+
+def xavier(mlp, key):
+    """Glorot/Xavier: weights truncated normal (at 2σ), σ = √(2/(fan_in + fan_out));
+    biases zero. Equinox's default draws both uniformly in ±1/√fan_in."""
+    keys = jax.random.split(key, len(mlp.layers))
+    layers = []
+    for k, layer in zip(keys, mlp.layers, strict=True):
+        fan_out, fan_in = layer.weight.shape
+        std = np.sqrt(2 / (fan_in + fan_out))
+        w = std * jax.random.truncated_normal(k, -2, 2, layer.weight.shape)
+        layer = eqx.tree_at(lambda m: m.weight, layer, w.astype(layer.weight.dtype))
+        layers.append(eqx.tree_at(lambda m: m.bias, layer, jnp.zeros_like(layer.bias)))
+    return eqx.tree_at(lambda m: m.layers, mlp, tuple(layers))
 
 
 def residual(model, x, t):
@@ -89,148 +114,284 @@ def loss_fn(model, data):
 
 
 def make_points(n_u, n_f, *, seed, dtype):
-    """`n_u` initial/boundary points and `n_f` Latin-hypercube collocation points."""
+    """As the original code: the 456 initial/boundary points of the classic grid are
+    appended to `n_f` Latin-hypercube collocation points, then `n_u` of them are picked
+    for the data term."""
     rng = np.random.default_rng(seed)
-    x0 = rng.uniform(-1, 1, n_u)
-    tb = rng.uniform(0, 1, n_u)
-    xu = np.concatenate([x0, np.full(n_u // 2, -1.0), np.full(n_u - n_u // 2, 1.0)])
-    tu = np.concatenate([np.zeros(n_u), tb])
-    uu = np.concatenate([-np.sin(np.pi * x0), np.zeros(n_u)])
-    pick = rng.choice(len(xu), n_u, replace=False)  # n_u of them, as Raissi et al.
-    xf, tf = scipy.stats.qmc.LatinHypercube(d=2, rng=rng).random(n_f).T
-    xf = 2 * xf - 1
-    # The data points are collocation points too, as in the original code.
-    xf, tf = np.concatenate([xf, xu[pick]]), np.concatenate([tf, tu[pick]])
+    xu = np.concatenate([X_GRID, np.full(len(T_GRID), -1.0), np.full(len(T_GRID), 1.0)])
+    tu = np.concatenate([np.zeros(len(X_GRID)), T_GRID, T_GRID])
+    uu = np.concatenate([-np.sin(np.pi * X_GRID), np.zeros(2 * len(T_GRID))])
+    lo, hi = np.asarray(LOWER), np.asarray(UPPER)
+    xf, tf = (
+        lo + (hi - lo) * scipy.stats.qmc.LatinHypercube(d=2, rng=rng).random(n_f)
+    ).T
+    xf, tf = np.concatenate([xf, xu]), np.concatenate([tf, tu])
+    pick = rng.choice(len(xu), n_u, replace=False)
     cast = lambda *a: tuple(jnp.asarray(v, dtype) for v in a)
     return cast(xf, tf), cast(xu[pick], tu[pick], uu[pick])
+
+
+def cast_model(model, dtype):
+    """Every floating array of `model` in `dtype` (the float32 runs: the network
+    computes in float32 while SciPy's iterate stays float64, as in the original)."""
+    to = lambda a: a.astype(dtype) if eqx.is_inexact_array(a) else a
+    return jax.tree.map(to, model)
 
 
 #
 # The script.
 #
 
+# What Raissi et al.'s Burgers.py does: 8 hidden layers of 20, N_u = 100, 10,000
+# collocation points (plus the 456 boundary ones), no Adam, L-BFGS-B to 50,000.
+PAPER = dict(width=20, depth=8, n_u=100, n_f=10_000, adam_steps=0, lbfgs_steps=50_000)
+
 
 def main(
     *,
     width=20,
-    depth=4,
+    depth=8,
     n_u=100,
-    n_f=2000,
-    adam_steps=500,
-    lbfgs_steps=None,
+    n_f=4000,
+    adam_steps=0,
+    lbfgs_steps=3000,
     lr=1e-3,
-    full=False,
-    report_every=0,
+    init="xavier",
+    dtype="float64",
+    paper=False,
+    report_every=500,
     out=OUT,
     seed=0,
     progress=True,
 ):
     """Trains a PINN for Burgers; returns a summary dict with the relative L2 error.
 
-    `full=True` is the configuration of Raissi et al. (2019): 8 hidden layers of 20,
-    100 initial/boundary points, 10,000 collocation points, L-BFGS-B to convergence
-    (at most 50,000 iterations unless `lbfgs_steps` says otherwise).
+    `paper=True` is the configuration of Raissi et al. (2019) (`PAPER`). `dtype` is
+    `"float64"`, `"float32"` (the network computes in float32, as the original), or
+    `"float32-then-float64"` (float32 first, then L-BFGS-B goes on in float64 from the
+    same point). `report_every` prints the error every that many L-BFGS-B iterations.
     """
-    if full:
-        depth, n_f = 8, 10_000
-    if lbfgs_steps is None:
-        lbfgs_steps = 50_000 if full else 3000
+    if paper:
+        width, depth, n_u, n_f = (
+            PAPER["width"],
+            PAPER["depth"],
+            PAPER["n_u"],
+            PAPER["n_f"],
+        )
+        adam_steps, lbfgs_steps = PAPER["adam_steps"], PAPER["lbfgs_steps"]
     points = make_points(n_u, n_f, seed=seed, dtype=jnp.float64)
-    x, t = np.linspace(-1, 1, 256), np.linspace(0, 0.99, 100)  # the classic grid
-    u_ref = reference(x, t)
-    xx, tt = (jnp.asarray(a.ravel()) for a in np.meshgrid(x, t, indexing="ij"))
+    u_ref = reference(X_GRID, T_GRID)
+    xx, tt = (
+        jnp.asarray(a.ravel()) for a in np.meshgrid(X_GRID, T_GRID, indexing="ij")
+    )
 
-    # A float32 network, trained as one float64 vector: the dtype rule.
-    model = PINN(width, depth, key=jax.random.key(seed))
+    # A float32-initialised network, trained as one float64 vector: the dtype rule.
+    model = PINN(width, depth, key=jax.random.key(seed), init=init)
     p, re = sciflat.destructure(model, dtype=jnp.float64)
-    print(f"{len(re)} parameters, {n_u} data points, {n_f} collocation points")
+    print(
+        f"{len(re)} parameters ({depth} hidden layers of {width}, {init} init), "
+        f"{n_u} data points, {n_f} + 456 collocation points, {dtype}, SciPy {scipy.__version__}"
+    )
     predict = eqx.filter_jit(lambda m: jax.vmap(m)(xx, tt).reshape(u_ref.shape))
     error = lambda m: float(np.linalg.norm(predict(m) - u_ref) / np.linalg.norm(u_ref))
-    history, t0 = [], time.perf_counter()
+    log = Log(error, report_every)
 
-    adam = sciflat.fit(
-        loss_fn,
-        re(p),
-        optax.adam(lr),
-        steps=adam_steps,
-        args=(points,),
-        progress=progress,
-    )
-    history.append(adam.history)
-    t_adam = time.perf_counter() - t0
-    print(f"Adam:     loss {adam.loss:.3e}, relative L2 error {error(adam.model):.3e}")
+    if adam_steps:
+        adam = sciflat.fit(
+            loss_fn,
+            re(p),
+            optax.adam(lr),
+            steps=adam_steps,
+            args=(points,),
+            progress=progress,
+        )
+        p = adam.p
+        log.stage("Adam", adam.history, adam.model, adam.n_steps, "")
 
-    # L-BFGS-B continues from Adam's flat vector itself, with Raissi et al.'s settings.
-    lbfgs = sciflat.minimize(
-        loss_fn,
-        re,
-        args=(points,),
-        x0=adam.p,
-        method="L-BFGS-B",
-        progress=progress,
-        callback=_report_every(report_every, error, t0),
-        options=dict(
-            maxiter=lbfgs_steps, maxfun=2 * lbfgs_steps, maxcor=50, maxls=50,
-            ftol=np.finfo(float).eps,
-        ),
-    )  # fmt: skip
-    history.append(lbfgs.history)
-    history = np.concatenate(history)
-    train_time = time.perf_counter() - t0
-    err = error(lbfgs.model)
-    print(
-        f"L-BFGS-B: loss {lbfgs.loss:.3e} after {lbfgs.n_steps} iterations ({lbfgs.message})"
-    )
+    stages = ["float32", "float64"] if dtype == "float32-then-float64" else [dtype]
+    for stage in stages:
+        lbfgs = lbfgs_b(stage, re, p, points, lbfgs_steps, log, progress)
+        # float32 -> float64: the same vector goes on in float64, with `re(p)`
+        # computing in float64 from here on (the dtype rule).
+        p = lbfgs.p
+        log.stage(
+            f"L-BFGS-B {stage}",
+            lbfgs.history,
+            lbfgs.model,
+            lbfgs.n_steps,
+            lbfgs.raw.message if lbfgs.raw is not None else lbfgs.message,
+        )
+
+    model, err = re(p), log.errors[-1][1]
+    history = np.concatenate(log.history)
     print(f"relative L2 error vs the Cole–Hopf reference: {err:.3e}")
-    print(f"training took {train_time:.1f} s (Adam {t_adam:.1f} s)")
-    diverged = not (np.isfinite(lbfgs.loss) and lbfgs.loss < history[0])
-    plot = (
-        _plot(x, t, u_ref, np.asarray(predict(lbfgs.model)), history, out)
-        if out
-        else None
-    )
+    print(f"training took {log.elapsed():.1f} s")
+    diverged = not (np.isfinite(history[-1]) and history[-1] < history[0])
+    plot = None
+    if out:
+        plot = _plot(u_ref, np.asarray(predict(model)), history, log.errors, out)
     return dict(
-        model=lbfgs.model,
+        model=model,
+        p=p,
         history=history,
-        loss=lbfgs.loss,
+        loss=float(history[-1]),
         error=err,
+        errors=log.errors,
+        stages=log.stages,
         diverged=diverged,
         plot=plot,
-        train_time=train_time,
+        train_time=log.elapsed(),
+        scipy=scipy.__version__,
     )
 
 
-def _report_every(n, error, t0):
-    """An L-BFGS-B callback printing the error every `n` iterations (0: never)."""
+def lbfgs_b(dtype, re, p, points, steps, log, progress):
+    """L-BFGS-B with Raissi et al.'s settings, the network computing in `dtype`."""
+    if dtype == "float32":
+        pts32 = jax.tree.map(lambda a: a.astype(jnp.float32), points)
+        # SciPy gets the float32 loss as float64, as TensorFlow's SciPy interface did.
+        loss = lambda m, pts: loss_fn(cast_model(m, jnp.float32), pts32).astype(
+            jnp.float64
+        )
+    else:
+        loss = loss_fn
+    report = log.reporter(dtype)
+    options = dict(
+        maxiter=steps, maxfun=steps, maxcor=50, maxls=50, ftol=np.finfo(float).eps
+    )
+    return sciflat.minimize(
+        loss,
+        re,
+        args=(points,),
+        x0=p,
+        method="L-BFGS-B",
+        progress=progress,
+        callback=lambda step, loss, model: report(loss, model),
+        options=options,
+    )
 
-    def callback(step, loss, model):
-        if n and step % n == 0:
-            elapsed = time.perf_counter() - t0
-            print(f"  iteration {step}: loss {loss:.3e}, relative L2 error "
-                  f"{error(model):.3e}, {elapsed:.0f} s", flush=True)  # fmt: skip
 
-    return callback
+class Log:
+    """The loss history, the error every `every` iterations, and each stage's summary."""
+
+    def __init__(self, error, every):
+        self.error, self.every = error, every
+        self.history, self.errors, self.stages = [], [], []
+        self.t0, self.step = time.perf_counter(), 0
+
+    def elapsed(self):
+        return time.perf_counter() - self.t0
+
+    def reporter(self, name):
+        def report(loss, model):
+            self.step += 1
+            if self.every and self.step % self.every == 0:
+                err = self.error(model)
+                self.errors.append((self.step, err))
+                print(
+                    f"  {name} iteration {self.step}: loss {loss:.3e}, relative L2 "
+                    f"error {err:.3e}, {self.elapsed():.0f} s",
+                    flush=True,
+                )
+
+        return report
+
+    def stage(self, name, history, model, n, message):
+        self.history.append(np.asarray(history))
+        self.step = sum(len(h) for h in self.history)
+        err = self.error(model)
+        self.errors.append((self.step, err))
+        loss = float(history[-1])
+        self.stages.append(
+            dict(
+                stage=name,
+                steps=n,
+                loss=loss,
+                error=err,
+                message=str(message),
+                time=self.elapsed(),
+            )
+        )
+        print(
+            f"{name}: {n} iterations, loss {loss:.3e}, relative L2 error {err:.3e}, "
+            f"{self.elapsed():.0f} s {message}",
+            flush=True,
+        )
 
 
-def _plot(x, t, u_ref, u_pred, history, out):
+def compare_precision(*, lbfgs_steps=2000, seed=0, repeats=20, **kwargs):
+    """The float32 PINN at DEFAULT and at HIGHEST matmul precision: the same training
+    run under each setting (relative L2 error, loss, time), and the median time of one
+    loss-and-gradient evaluation, interleaved. On a CPU both are the same; on a GPU
+    (TF32) or TPU (bfloat16 passes) they are not. Returns one dict per setting.
+
+        python examples/pinn/train.py --compare-precision
+    """
+    points = make_points(100, kwargs.get("n_f", 4000), seed=seed, dtype=jnp.float32)
+    model = PINN(
+        kwargs.get("width", 20), kwargs.get("depth", 8), key=jax.random.key(seed)
+    )
+    p, re = sciflat.destructure(model, dtype=jnp.float32)
+    rows = {}
+    for setting in ("default", "highest"):
+        with jax.default_matmul_precision(None if setting == "default" else setting):
+            run = main(
+                dtype="float32",
+                lbfgs_steps=lbfgs_steps,
+                seed=seed,
+                out=None,
+                progress=False,
+                report_every=0,
+                **kwargs,
+            )
+            step = jax.jit(jax.value_and_grad(lambda p: loss_fn(re(p), points)))
+            jax.block_until_ready(step(p))  # compiled under this setting
+        rows[setting] = dict(
+            setting=setting,
+            error=run["error"],
+            loss=run["loss"],
+            iterations=run["stages"][-1]["steps"],
+            time=run["train_time"],
+            step=step,
+        )
+    times = {k: [] for k in rows}
+    for _ in range(repeats):  # interleaved, after compilation
+        for k, row in rows.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(row["step"](p))
+            times[k].append(time.perf_counter() - t0)
+    for k, row in rows.items():
+        del row["step"]
+        row["eval_ms"] = 1e3 * float(np.median(times[k]))
+    print(f"{jax.devices()[0].device_kind}: float32 PINN, {lbfgs_steps} L-BFGS-B steps")
+    for row in rows.values():
+        print(
+            f"  {row['setting']:>8}: relative L2 {row['error']:.3e}, loss "
+            f"{row['loss']:.3e}, {row['iterations']} iterations, {row['time']:.1f} s; "
+            f"loss+gradient {row['eval_ms']:.2f} ms"
+        )
+    return list(rows.values())
+
+
+def _plot(u_ref, u_pred, history, errors, out):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 4, figsize=(17, 3.6))
-    extent = (t[0], t[-1], x[0], x[-1])
+    extent = (T_GRID[0], T_GRID[-1], X_GRID[0], X_GRID[-1])
     panels = [(u_pred, "prediction u(x, t)"), (u_ref, "reference (Cole–Hopf)")]
     panels.append((np.abs(u_pred - u_ref), "|error|"))
     for ax, (z, title) in zip(axes, panels, strict=False):
         im = ax.imshow(z, origin="lower", aspect="auto", extent=extent, cmap="rainbow")
         ax.set(xlabel="t", ylabel="x", title=title)
         fig.colorbar(im, ax=ax)
-    axes[3].semilogy(history)
-    axes[3].axvline(len(history) - 1, alpha=0)  # keep the full range
-    axes[3].set(
-        xlabel="Adam step, then L-BFGS-B iteration", ylabel="loss", title="Loss"
-    )
+    axes[3].semilogy(history, label="loss")
+    steps, errs = zip(*errors, strict=True)
+    axes[3].semilogy(steps, errs, "o-", label="relative L2 error")
+    axes[3].set(xlabel="iteration (Adam, then L-BFGS-B)", title="Loss and error")
+    axes[3].legend()
     fig.tight_layout()
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, "burgers.png")
@@ -244,26 +405,36 @@ def _parse(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add = parser.add_argument
     add("--width", type=int, default=20, help="hidden width")
-    add("--depth", type=int, default=4, help="hidden layers")
-    add("--n-f", dest="n_f", type=int, default=2000, help="collocation points")
-    add("--adam-steps", type=int, default=500)
+    add("--depth", type=int, default=8, help="hidden layers")
+    add("--n-f", dest="n_f", type=int, default=4000, help="collocation points")
+    add("--adam-steps", type=int, default=0, help="Adam steps before L-BFGS-B")
+    add("--lbfgs-steps", type=int, default=3000, help="L-BFGS-B iterations at most")
+    add("--init", choices=["xavier", "equinox"], default="xavier")
     add(
-        "--lbfgs-steps",
-        type=int,
-        help="L-BFGS-B iterations at most (3000; --full 50000)",
+        "--dtype",
+        choices=["float64", "float32", "float32-then-float64"],
+        default="float64",
     )
-    add("--full", action="store_true", help="Raissi et al.: 8x20, 10,000 points")
     add(
-        "--report-every",
-        type=int,
-        default=0,
-        help="print the error every N L-BFGS-B steps",
+        "--paper",
+        action="store_true",
+        help="Raissi et al.: 8x20, 10,000 points, L-BFGS-B to 50,000",
     )
+    add("--report-every", type=int, default=500, help="print the error every N steps")
     add("--out", default=OUT, help="folder for the plot")
     add("--seed", type=int, default=0)
+    add(
+        "--compare-precision",
+        action="store_true",
+        help="float32 at DEFAULT vs HIGHEST matmul precision (for GPUs and TPUs)",
+    )
     return parser.parse_args(argv)
 
 
 if __name__ == "__main__":
-    result = main(**vars(_parse()))
+    flags = vars(_parse())
+    if flags.pop("compare_precision"):
+        compare_precision(lbfgs_steps=flags["lbfgs_steps"], seed=flags["seed"])
+        sys.exit(0)
+    result = main(**flags)
     sys.exit(1 if result["diverged"] else 0)
