@@ -78,10 +78,15 @@ def run_one(problem: nist.Problem, start: int, repeats: int) -> dict:
     )
     t_ours, t_theirs = (statistics.median(times[k]) for k in ("sciflat", "lmfit"))
     return dict(
-        name=problem.name, start=start, ours=ours_digits, theirs=theirs_digits,
-        t_ours=t_ours, t_theirs=t_theirs, nfev=(result.n_evaluations, reference.nfev),
+        name=problem.name,
+        start=start,
+        ours=ours_digits,
+        theirs=theirs_digits,
+        t_ours=t_ours,
+        t_theirs=t_theirs,
+        nfev=(result.n_evaluations, reference.nfev),
         status=result.status,
-    )  # fmt: skip
+    )
 
 
 def main(argv=None):

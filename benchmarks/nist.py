@@ -92,9 +92,10 @@ def read(path: str | pathlib.Path) -> Problem:
     lines = path.read_text().splitlines()
     # The formula: from "y = ..." up to the blank line, without the error term.
     start = next(
-        i for i, line in enumerate(lines)
+        i
+        for i, line in enumerate(lines)
         if re.match(r"\s*y\s*=", line) and "Response" not in line
-    )  # fmt: skip
+    )
     parts = []
     for line in lines[start:]:
         if not line.strip():

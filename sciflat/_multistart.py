@@ -168,10 +168,16 @@ def _vmapped_fit(
             else "The loss or parameters became non-finite (vmapped starts do not stop early)."
         )
         result = FitResult(
-            model=re(p), p=p, loss=float(final), status=status, message=message,
-            history=np.asarray(history, np.float64), n_steps=steps, re=re,
+            model=re(p),
+            p=p,
+            loss=float(final),
+            status=status,
+            message=message,
+            history=np.asarray(history, np.float64),
+            n_steps=steps,
+            re=re,
             n_evaluations=steps,
-        )  # fmt: skip
+        )
         results.append(result)
     return results
 

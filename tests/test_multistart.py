@@ -27,9 +27,13 @@ def test_sampled_starts_find_the_global_minimum_with_one_compile():
     )
     assert abs(float(alone.model["w"]) - 3.3) > 0.1
     runs = sciflat.multistart(
-        sciflat.least_squares, make_residuals(many), {"w": 1.0}, 12, args=(X, Y),
+        sciflat.least_squares,
+        make_residuals(many),
+        {"w": 1.0},
+        12,
+        args=(X, Y),
         bounds={"['w']": (0.5, 5.0)},
-    )  # fmt: skip
+    )
     assert len(runs.results) == 12 and runs.starts.shape == (12, 1)
     assert runs.starts[0, 0] == 1.0 and np.all(
         (runs.starts >= 0.5) & (runs.starts <= 5.0)
@@ -65,9 +69,12 @@ def test_sampling_needs_finite_bounds_and_starts_of_the_model_structure():
         sciflat.multistart(sciflat.least_squares, residuals, {"w": 1.0}, 3, args=(X, Y))
     with pytest.raises(ValueError, match=r"`starts\[1\]` does not have the model's"):
         sciflat.multistart(
-            sciflat.least_squares, residuals, {"w": 1.0}, [{"w": 1.0}, {"v": 2.0}],
+            sciflat.least_squares,
+            residuals,
+            {"w": 1.0},
+            [{"w": 1.0}, {"v": 2.0}],
             args=(X, Y),
-        )  # fmt: skip
+        )
 
 
 def test_optax_fit_runs_every_start_in_one_vmapped_call_as_fit_would():
@@ -76,17 +83,26 @@ def test_optax_fit_runs_every_start_in_one_vmapped_call_as_fit_would():
     loss = lambda m, x, y: jnp.mean((jnp.sin(m["w"] * x) - y) ** 2)
     starts = [{"w": 1.0}, {"w": 3.0}, {"w": 3.5}]
     runs = sciflat.multistart(
-        sciflat.fit, loss, {"w": 1.0}, starts, args=(X, Y),
-        optimizer=optax.adam(0.05), steps=200,
-    )  # fmt: skip
+        sciflat.fit,
+        loss,
+        {"w": 1.0},
+        starts,
+        args=(X, Y),
+        optimizer=optax.adam(0.05),
+        steps=200,
+    )
     assert len(runs.results) == 3 and runs.best is not runs.results[0]
     assert float(runs.best.model["w"]) == pytest.approx(3.3, rel=1e-3)
     # The reference: sciflat.fit itself from each start.
     for start, got in zip(starts, runs.results, strict=True):
         want = sciflat.fit(
-            loss, {"w": jnp.asarray(start["w"])}, optax.adam(0.05), steps=200,
-            args=(X, Y), progress=False,
-        )  # fmt: skip
+            loss,
+            {"w": jnp.asarray(start["w"])},
+            optax.adam(0.05),
+            steps=200,
+            args=(X, Y),
+            progress=False,
+        )
         np.testing.assert_allclose(got.p, want.p, rtol=1e-10)
         np.testing.assert_allclose(got.history, want.history, rtol=1e-10)
     with pytest.raises(TypeError, match="needs `optimizer=` and `steps=`"):

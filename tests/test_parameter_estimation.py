@@ -179,9 +179,11 @@ def test_tied_parameters_count_once_and_frozen_have_none(line_data):
     slope = jnp.asarray(1.0)
     model = {"a": jnp.asarray(0.0), "b1": slope, "b2": slope, "k": jnp.asarray(0.5)}
     res = lsq(
-        lambda m, x, y: m["a"] + m["b1"] * x + m["k"] * m["b2"] * x - y, model, (x, y),
+        lambda m, x, y: m["a"] + m["b1"] * x + m["k"] * m["b2"] * x - y,
+        model,
+        (x, y),
         filter_spec={"a": True, "b1": True, "b2": True, "k": False},
-    )  # fmt: skip
+    )
     # y = a + 1.5 b x: the closed form's slope error divided by 1.5.
     _, cov, _ = closed_form(np.asarray(x), np.asarray(y))
     assert len(res.p) == 2 and res.covariance.shape == (2, 2)
@@ -195,9 +197,18 @@ def test_report_reads_like_lmfit(line_data):
     res = lsq(line, {"a": 0.0, "b": 0.0}, (x, y))
     text = str(res)
     assert text == res.report()
-    for piece in ("[[Fit Statistics]]", "chi-square:", "reduced chi-square:", "Akaike info crit:",
-                  "Bayesian info crit:", "function evals:", "converged (success)", "[[Variables]]",
-                  "[[Correlations]]", "C(a, b)"):  # fmt: skip
+    for piece in (
+        "[[Fit Statistics]]",
+        "chi-square:",
+        "reduced chi-square:",
+        "Akaike info crit:",
+        "Bayesian info crit:",
+        "function evals:",
+        "converged (success)",
+        "[[Variables]]",
+        "[[Correlations]]",
+        "C(a, b)",
+    ):
         assert piece in text, piece
     b = float(res.model["b"])
     assert f"b:  {b: .8g} +/- {float(res.stderr['b']):.4g}" in text

@@ -223,10 +223,13 @@ def main(
         k: abs(float(getattr(m, k)) - v) / v for k, v in TRUE_RATES.items()
     }
     summary.update(
-        least_squares=lsq, minimize=mini, stderr=stderr,
-        lsq_rel_error=rel(lsq.model), minimize_rel_error=rel(mini.model),
+        least_squares=lsq,
+        minimize=mini,
+        stderr=stderr,
+        lsq_rel_error=rel(lsq.model),
+        minimize_rel_error=rel(mini.model),
         final_mse=float(mse(lsq.model, ts, ys)),
-    )  # fmt: skip
+    )
 
     if ude:
         summary.update(
@@ -253,14 +256,22 @@ def fit_ude(ts, ys, t_end, width, steps, adam_steps, seed, progress):
     for horizon in (0.3 * t_end, t_end):
         keep = ts <= horizon
         adam = sciflat.fit(
-            ude_mse, model, optax.adam(1e-2), steps=adam_steps,
-            args=(ts[keep], ys[keep]), progress=progress,
-        )  # fmt: skip
+            ude_mse,
+            model,
+            optax.adam(1e-2),
+            steps=adam_steps,
+            args=(ts[keep], ys[keep]),
+            progress=progress,
+        )
         model, n_steps = adam.model, n_steps + adam.n_steps
     result = sciflat.minimize(
-        ude_mse, model, args=(ts[keep], ys[keep]), progress=progress,
-        bounds={"alpha": (1e-6, None), "gamma": (1e-6, None)}, options=dict(maxiter=steps),
-    )  # fmt: skip
+        ude_mse,
+        model,
+        args=(ts[keep], ys[keep]),
+        progress=progress,
+        bounds={"alpha": (1e-6, None), "gamma": (1e-6, None)},
+        options=dict(maxiter=steps),
+    )
     n_steps += result.n_steps
     keep = ts <= t_end
     ts = ts[keep]
