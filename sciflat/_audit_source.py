@@ -11,9 +11,17 @@ from typing import Any
 
 
 _LIBRARIES = (
-    "jax", "jaxlib", "equinox", "diffrax", "optax", "lineax", "optimistix",
-    "jaxtyping", "typeguard", "sciflat",
-)  # fmt: skip
+    "jax",
+    "jaxlib",
+    "equinox",
+    "diffrax",
+    "optax",
+    "lineax",
+    "optimistix",
+    "jaxtyping",
+    "typeguard",
+    "sciflat",
+)
 
 
 @ft.cache

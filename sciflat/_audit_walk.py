@@ -14,11 +14,27 @@ from ._dtypes import is_inexact, real_dtype
 
 # Primitives that only move values around: applied to data that entered the
 # computation (an input or a constant), their result is still that data.
-_MOVES = frozenset({
-    "reshape", "squeeze", "expand_dims", "broadcast_in_dim", "transpose", "slice",
-    "dynamic_slice", "concatenate", "copy", "copy_p", "gather", "rev", "pad",
-    "device_put", "split", "select_n", "stop_gradient",
-})  # fmt: skip
+_MOVES = frozenset(
+    {
+        "reshape",
+        "squeeze",
+        "expand_dims",
+        "broadcast_in_dim",
+        "transpose",
+        "slice",
+        "dynamic_slice",
+        "concatenate",
+        "copy",
+        "copy_p",
+        "gather",
+        "rev",
+        "pad",
+        "device_put",
+        "split",
+        "select_n",
+        "stop_gradient",
+    }
+)
 
 # (kind, primitive, source dtype | None, dtype, tracebacks from the op outwards)
 _Key = tuple

@@ -110,9 +110,16 @@ def test_neural_ode_reports_divergence():
     # non-finite, `fit` stops, and the script's exit status would be 1.
     node = load("neural_ode", "train.py")
     run = node.main(
-        steps=6, width=8, batch=4, n_train=8, n_test=4, n_times=5, lr=50.0, out=None,
+        steps=6,
+        width=8,
+        batch=4,
+        n_train=8,
+        n_test=4,
+        n_times=5,
+        lr=50.0,
+        out=None,
         progress=False,
-    )  # fmt: skip
+    )
     assert run["diverged"]
 
 
@@ -158,9 +165,15 @@ def test_pinn_reference_is_cole_hopf(pinn):
 
 def test_pinn_learns_and_plots(pinn, tmp_path):
     run = pinn.main(
-        width=8, depth=2, n_u=100, n_f=300, adam_steps=100, lbfgs_steps=400,
-        out=str(tmp_path), progress=False,
-    )  # fmt: skip
+        width=8,
+        depth=2,
+        n_u=100,
+        n_f=300,
+        adam_steps=100,
+        lbfgs_steps=400,
+        out=str(tmp_path),
+        progress=False,
+    )
     # Over seeds 0-3 at this size: loss down 7-41 times, errors 0.39-0.44. (With 20
     # data points, one seed found a low-loss solution with an error above 1: the error
     # bound is the check that matters.)
@@ -198,9 +211,15 @@ def test_pinn_points_are_the_originals(pinn):
 @pytest.mark.slow
 def test_pinn_float32_then_float64(pinn):
     run = pinn.main(
-        width=8, depth=2, n_f=200, lbfgs_steps=150, dtype="float32-then-float64",
-        report_every=0, out=None, progress=False,
-    )  # fmt: skip
+        width=8,
+        depth=2,
+        n_f=200,
+        lbfgs_steps=150,
+        dtype="float32-then-float64",
+        report_every=0,
+        out=None,
+        progress=False,
+    )
     first, second = run["stages"]
     assert first["stage"].endswith("float32") and second["stage"].endswith("float64")
     assert run["p"].dtype == jnp.float64
@@ -237,9 +256,13 @@ def lotka():
 
 def test_parameter_estimation_recovers_rates(lotka, tmp_path):
     run = lotka.main(
-        n_obs=21, ude_width=4, ude_adam_steps=20, ude_steps=20, out=str(tmp_path),
+        n_obs=21,
+        ude_width=4,
+        ude_adam_steps=20,
+        ude_steps=20,
+        out=str(tmp_path),
         progress=False,
-    )  # fmt: skip
+    )
     assert not run["diverged"]
     for method in ("lsq_rel_error", "minimize_rel_error"):
         assert max(run[method].values()) < 0.05, (method, run[method])

@@ -71,9 +71,14 @@ def _diffrax(p):
     term = diffrax.ODETerm(lambda t, y, args: jnp.tanh(product(y)))
     t = lambda v: jnp.asarray(v, p.dtype)  # float64 times would promote the state
     sol = diffrax.diffeqsolve(
-        term, diffrax.Tsit5(), t(0.0), t(1.0), t(0.25), p,
+        term,
+        diffrax.Tsit5(),
+        t(0.0),
+        t(1.0),
+        t(0.25),
+        p,
         stepsize_controller=diffrax.ConstantStepSize(),
-    )  # fmt: skip
+    )
     assert sol.ys is not None
     return sol.ys[-1]
 
