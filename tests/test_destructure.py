@@ -210,6 +210,7 @@ def test_vmap_of_parameter_vectors_gives_an_ensemble():
         np.testing.assert_allclose(outs[i], re(ps[i])(x), rtol=1e-6)
 
 
+@pytest.mark.slow  # > 1.5 s on 2 quiet cores (CONTRIBUTING.md: the fast tier)
 def test_forward_mode_and_hessian_agree_with_the_plain_pytree():
     model, x = EDGE["tied_identity"]
     p, re = sciflat.destructure(model, dtype=jnp.float64)
@@ -438,6 +439,7 @@ def test_eager_rebuild_on_device_compiles_one_kernel_per_leaf_shape(device_path)
         np.testing.assert_array_equal(rebuilt[i], np.full((3, 7), float(i)))
 
 
+@pytest.mark.slow  # > 1.5 s on 2 quiet cores (CONTRIBUTING.md: the fast tier)
 def test_eager_rebuild_on_device_stays_on_p_device():
     """Two forced host devices, `p` on the second: both device paths (the whole split,
     and one kernel per shape for many same-shape leaves) leave every array there."""

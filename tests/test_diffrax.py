@@ -78,6 +78,7 @@ def solve_grad(solver_name: str, adjoint_name: str, dtype_name: str, args: str =
         ("Tsit5", "BacksolveAdjoint", "model"),  # args=re(p): through `re`, outside
     ],
 )
+@pytest.mark.slow  # > 1.5 s on 2 quiet cores (CONTRIBUTING.md: the fast tier)
 def test_gradient_matches_closed_form_float64(solver, adjoint, args):
     model = Linear(jnp.asarray(A0))
     p, _ = sciflat.destructure(model)
@@ -89,6 +90,7 @@ def test_gradient_matches_closed_form_float64(solver, adjoint, args):
     np.testing.assert_allclose(grad, ref_grad.A.ravel(), rtol=1e-6, atol=1e-8)
 
 
+@pytest.mark.slow  # > 1.5 s on 2 quiet cores (CONTRIBUTING.md: the fast tier)
 def test_float32_solve_stays_float32():
     model = Linear(jnp.asarray(A0, jnp.float32))
     p, _ = sciflat.destructure(model)
@@ -146,6 +148,7 @@ class Decay(eqx.Module):
         return self.a - self.b * y
 
 
+@pytest.mark.slow  # > 1.5 s on 2 quiet cores (CONTRIBUTING.md: the fast tier)
 def test_implicit_adjoint_at_steady_state():
     # y' = a - b y has the steady state a / b: d/da = 1/b, d/db = -a/b^2.
     model = Decay(jnp.asarray(2.0), jnp.asarray(4.0))
@@ -222,6 +225,7 @@ def _solve_ys(term, args, y0):
     return jnp.sum(sol.ys**2)
 
 
+@pytest.mark.slow  # > 1.5 s on 2 quiet cores (CONTRIBUTING.md: the fast tier)
 def test_ude_gradient_matches_plain_pytree_with_ties():
     model = UDE(jax.random.key(0))
     p, re = sciflat.destructure(model, dtype=jnp.float64)

@@ -284,6 +284,7 @@ def test_every_public_name_has_a_docstring():
             assert "!!! Example" in doc, f"sciflat.{name}'s docstring has no example"
 
 
+@pytest.mark.slow  # > 1.5 s on 2 quiet cores (CONTRIBUTING.md: the fast tier)
 def test_site_builds_strictly(tmp_path):
     """`mkdocs build --strict`: a broken link, nav entry or API reference fails CI."""
     proc = subprocess.run(

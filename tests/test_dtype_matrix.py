@@ -127,6 +127,7 @@ def _setup(name, dtype):
 #
 
 
+@pytest.mark.slow  # > 1.5 s on 2 quiet cores (CONTRIBUTING.md: the fast tier)
 @pytest.mark.parametrize("dtype", [F32, F64, BF16], ids=str)
 @pytest.mark.parametrize("name", MODELS)
 def test_plain_loss(name, dtype):
@@ -151,6 +152,7 @@ def test_plain_loss(name, dtype):
 #
 
 
+@pytest.mark.slow  # > 1.5 s on 2 quiet cores (CONTRIBUTING.md: the fast tier)
 @pytest.mark.parametrize("dtype", [F32, F64], ids=str)
 @pytest.mark.parametrize("name", MODELS)
 def test_optax_adam_step(name, dtype):
@@ -333,6 +335,7 @@ def _ode_setup(name, dtype):
     return model, x.astype(dtype), p, re
 
 
+@pytest.mark.slow  # > 1.5 s on 2 quiet cores (CONTRIBUTING.md: the fast tier)
 @pytest.mark.parametrize("solve, name, dtype", DIFFRAX_CASES)
 def test_diffrax_solve(solve, name, dtype):
     solver, adjoint, *_ = SOLVES[solve]
@@ -353,6 +356,7 @@ def test_diffrax_solve(solve, name, dtype):
     ],
     ids=str,
 )
+@pytest.mark.slow  # > 1.5 s on 2 quiet cores (CONTRIBUTING.md: the fast tier)
 def test_diffrax_solve_model_as_args(name, dtype):
     # args=re(p) (what the docs teach): `re(p)` is rebuilt once, outside the solve, and
     # the model itself is Diffrax's args; the gradient still reaches `p` through `re`.
@@ -379,6 +383,7 @@ def test_diffrax_closure_over_re(name):
     assert report.out[1].dtype == F64
 
 
+@pytest.mark.slow  # > 1.5 s on 2 quiet cores (CONTRIBUTING.md: the fast tier)
 def test_diffrax_values_match_plain_pytree():
     solver, adjoint, *_ = SOLVES["tsit5-checkpoint"]
     model, x, p, re = _ode_setup("tied_identity", F64)

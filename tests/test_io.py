@@ -259,6 +259,7 @@ def _loss(model):
 _grad = jax.jit(jax.grad(lambda p, re: _loss(re(p))))
 
 
+@pytest.mark.slow  # > 1.5 s on 2 quiet cores (CONTRIBUTING.md: the fast tier)
 @settings(max_examples=60, deadline=None)
 @given(random_models(DTYPES), st.sampled_from([None, np.float32, np.float64]))
 def test_round_trip_and_gradient_rule_on_random_models(case, dtype):

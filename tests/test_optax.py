@@ -122,6 +122,7 @@ def test_fit_equals_the_hand_written_loop(adam_runs):
     assert result.history[-1] < result.history[0]
 
 
+@pytest.mark.slow  # > 1.5 s on 2 quiet cores (CONTRIBUTING.md: the fast tier)
 def test_lbfgs_reaches_the_least_squares_solution(lbfgs_runs):
     result = lbfgs_runs[0]["full"]
     A = np.hstack([X, np.ones((6, 1))])

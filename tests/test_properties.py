@@ -29,6 +29,7 @@ _grad = jax.jit(jax.grad(lambda p, re: _loss(re(p))))
 _plain_grad = jax.jit(jax.grad(_loss))
 
 
+@pytest.mark.slow  # > 1.5 s on 2 quiet cores (CONTRIBUTING.md: the fast tier)
 @settings(max_examples=60, deadline=None)
 @given(random_models(), st.sampled_from([np.float32, np.float64]))
 def test_gradient_is_the_sum_over_tied_uses(case, dtype):

@@ -152,6 +152,7 @@ def _f64(x):
     return x.astype(jnp.float64) if eqx.is_inexact_array(x) else x
 
 
+@pytest.mark.slow  # > 1.5 s on 2 quiet cores (CONTRIBUTING.md: the fast tier)
 def test_hessp_is_forward_over_reverse_hessian_vector_product(monkeypatch):
     seen = _spy(monkeypatch, "minimize")
     sciflat.minimize(
@@ -292,6 +293,7 @@ def test_matmul_precision_is_part_of_the_key():
     assert traces == []  # both are cached now
 
 
+@pytest.mark.slow  # > 1.5 s on 2 quiet cores (CONTRIBUTING.md: the fast tier)
 def test_a_failed_mode_is_remembered(lv_data):
     def loss(m, data):  # the default adjoint: forward mode fails, reverse works
         sol = diffrax.diffeqsolve(
@@ -738,6 +740,7 @@ START = LotkaVolterra(jnp.asarray([1.2, 0.8, 2.6, 1.2]))
 POSITIVE = {"rates": (0.0, None)}
 
 
+@pytest.mark.slow  # > 1.5 s on 2 quiet cores (CONTRIBUTING.md: the fast tier)
 @pytest.mark.parametrize("fit", ["minimize", "least_squares"])
 def test_lotka_volterra_rates_recovered(lv_data, fit):
     clean, noisy = lv_data

@@ -110,6 +110,7 @@ def test_sciflat_same_code_is_clean(setup):
     assert report.n_checked > 100  # the whole solve was read, not just the loss
 
 
+@pytest.mark.slow  # > 1.5 s on 2 quiet cores (CONTRIBUTING.md: the fast tier)
 def test_values_ravel_is_float32_accurate_sciflat_matches_float64_reference(setup):
     ude, y0 = setup["ude"], setup["y0"]
     ude64 = jax.tree.map(lambda x: x.astype(F64) if eqx.is_inexact_array(x) else x, ude)

@@ -38,6 +38,7 @@ def plain():
     ],
     ids=["positive", "log", "interval"],
 )
+@pytest.mark.slow  # > 1.5 s on 2 quiet cores (CONTRIBUTING.md: the fast tier)
 def test_transformed_fit_has_the_values_and_standard_errors_of_the_plain_one(
     plain, make
 ):
