@@ -185,3 +185,27 @@ def foreign_float_ops(jaxpr, dtype) -> list[str]:
         for name, aval in float_outputs(jaxpr)
         if aval.dtype != dtype and not aval.weak_type
     ]
+
+
+#
+# Several devices on one CPU
+#
+
+
+def run_on_host_devices(code: str, n_devices: int = 2) -> None:
+    """Runs `code` in a fresh interpreter that sees `n_devices` CPU devices (the count
+    is fixed when JAX starts, hence the subprocess); it must print "ok"."""
+    import os
+    import subprocess
+    import sys
+
+    flags = f"--xla_force_host_platform_device_count={n_devices}"
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]

@@ -8,7 +8,14 @@ import pytest
 from jax.flatten_util import ravel_pytree
 
 import sciflat
-from helpers import Mixed, Tied, edge_models, inexact_dtypes, tree_allclose
+from helpers import (
+    Mixed,
+    Tied,
+    edge_models,
+    inexact_dtypes,
+    run_on_host_devices,
+    tree_allclose,
+)
 
 
 EDGE = edge_models()
@@ -443,9 +450,6 @@ def test_eager_rebuild_on_device_compiles_one_kernel_per_leaf_shape(device_path)
 def test_eager_rebuild_on_device_stays_on_p_device():
     """Two forced host devices, `p` on the second: both device paths (the whole split,
     and one kernel per shape for many same-shape leaves) leave every array there."""
-    import os
-    import subprocess
-    import sys
     import textwrap
 
     code = textwrap.dedent(
@@ -464,16 +468,4 @@ def test_eager_rebuild_on_device_stays_on_p_device():
         print("ok")
         """
     )
-    env = dict(
-        os.environ,
-        XLA_FLAGS="--xla_force_host_platform_device_count=2",
-        JAX_PLATFORMS="cpu",
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
+    run_on_host_devices(code)

@@ -1,8 +1,5 @@
 """Property-based tests of the core over random models with random ties and dtypes."""
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -12,7 +9,7 @@ import pytest
 from hypothesis import example, given, settings, strategies as st
 
 import sciflat
-from helpers import inexact_dtypes, random_models
+from helpers import inexact_dtypes, random_models, run_on_host_devices
 
 
 def _loss(model):
@@ -120,16 +117,4 @@ def test_rebuilt_leaves_follow_p_onto_its_device():
         print("ok")
         """
     )
-    env = dict(
-        os.environ,
-        XLA_FLAGS="--xla_force_host_platform_device_count=2",
-        JAX_PLATFORMS="cpu",
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
+    run_on_host_devices(code)
