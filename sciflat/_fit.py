@@ -69,7 +69,9 @@ def fit(
 
     - `loss`: `loss(model, *args)`, or `loss(model, batch, *args)` with `batches`; returns
         a real scalar.
-    - `model`: the model to train.
+    - `model`: the model to train. Python floats in its dicts, lists and tuples are
+        parameters too, in the dtype of `p`; a float field of an `eqx.Module` stays
+        static, as in Equinox.
     - `optimizer`: an Optax `GradientTransformation`.
     - `steps`: number of steps. With `batches` too: at most this many.
     - `batches`: an iterable of batches (pytrees of arrays), one per step. On resume,

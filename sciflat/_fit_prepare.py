@@ -19,6 +19,7 @@ from . import _fit_checkpoint as ckpt
 from ._fit_loop import END
 from ._fit_step import check_loss_output, make_step, reuses_value, strong
 from ._flatten import Restructure, destructure
+from ._floats import float_dtype, promote_floats
 from ._layout import names, nonfinite_paths
 from ._sharding import place
 from ._transforms import unwrapping
@@ -56,6 +57,8 @@ def prepare(
 ) -> Prepared:
     _validate(loss, optimizer, steps, batches, args, checkpoint, checkpoint_every)
     loss = unwrapping(loss)  # the loss sees the values of `sciflat.Transform`s
+    # {"b1": 1.0, "b2": jnp.asarray(0.1)}: b1 is fitted too, in the dtype of `p`.
+    model = promote_floats(model, "fit", float_dtype(model, dtype))
     p, re = destructure(model, filter_spec, dtype=dtype)
     if len(re) == 0:
         raise ValueError(

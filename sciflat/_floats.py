@@ -12,15 +12,19 @@ from typing import Any
 import equinox as eqx
 import jax
 import numpy as np
+from jax.typing import DTypeLike
+
+from ._dtypes import real_dtype
 
 
-def promote_floats(model: Any, who: str) -> Any:
-    """`model` with every Python float outside an `eqx.Module` made a 0-d float64 array.
+def promote_floats(model: Any, who: str, dtype: DTypeLike = np.float64) -> Any:
+    """`model` with every Python float outside an `eqx.Module` made a 0-d array of
+    `dtype` (SciPy's fits: float64).
 
     Raises a ValueError naming the floats when they are all the model has to fit but
     sit in modules, where they stay static: a silent fit of nothing is never right."""
     is_module = lambda x: isinstance(x, eqx.Module)
-    promote = lambda x: np.asarray(x, np.float64) if type(x) is float else x
+    promote = lambda x: np.asarray(x, dtype) if type(x) is float else x
     model = jax.tree.map(promote, model, is_leaf=is_module)
     leaves = jax.tree_util.tree_leaves_with_path(model)
     if not any(_is_floating_array(leaf) for _, leaf in leaves):
@@ -40,3 +44,14 @@ def _is_floating_array(x: Any) -> bool:
     if not isinstance(x, jax.Array | np.ndarray | np.generic):
         return False
     return bool(np.issubdtype(x.dtype, np.inexact))
+
+
+def float_dtype(model: Any, dtype: DTypeLike | None) -> np.dtype:
+    """The dtype a Python float joins `p` in for `sciflat.fit`: `dtype` if given, else
+    that of the model's floating arrays (promoted, real), else JAX's default float."""
+    if dtype is not None:
+        return np.dtype(dtype)
+    arrays = [x for x in jax.tree.leaves(model) if _is_floating_array(x)]
+    if not arrays:
+        return np.dtype(jax.dtypes.canonicalize_dtype(float))
+    return real_dtype(jax.numpy.result_type(*(x.dtype for x in arrays)))

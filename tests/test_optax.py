@@ -480,3 +480,34 @@ def test_a_loss_in_another_dtype_than_p_is_refused():
     loss32 = lambda m, x, y: loss(m, x, y).astype(jnp.float32)
     with pytest.raises(TypeError, match=r"`loss` returns float32.*`p` is float64"):
         sciflat.fit(loss32, linear(), ADAM, steps=1, args=xy(), progress=False)
+
+
+def _quadratic(m):
+    return (m["b1"] - 3.0) ** 2 + (m["b2"] - 2.0) ** 2
+
+
+@pytest.mark.parametrize("b2_dtype", [jnp.float32, jnp.float64])
+def test_python_floats_in_a_dict_are_fitted_in_the_dtype_of_p(b2_dtype):
+    # Issue 12: `{"b1": 1.0, "b2": array}` once fitted b2 only and reported success.
+    model = {"b1": 1.0, "b2": jnp.asarray(0.1, b2_dtype)}
+    result = sciflat.fit(_quadratic, model, optax.adam(0.2), steps=300, progress=False)
+    assert len(result.p) == 2 and result.p.dtype == b2_dtype
+    for name, want in (("b1", 3.0), ("b2", 2.0)):
+        assert result.model[name].dtype == b2_dtype
+        np.testing.assert_allclose(result.model[name], want, atol=1e-3)
+
+
+def test_python_floats_alone_follow_jax_default_float(x64_off):
+    result = sciflat.fit(
+        _quadratic, {"b1": 1.0, "b2": 0.5}, optax.adam(0.2), steps=300, progress=False
+    )
+    assert result.p.dtype == jnp.float32
+    np.testing.assert_allclose(result.p, [3.0, 2.0], atol=1e-3)
+
+
+def test_a_module_of_python_floats_only_is_refused_by_name():
+    class Rates(eqx.Module):
+        k: float = 1.0
+
+    with pytest.raises(ValueError, match=r"`\.k`.*jnp\.asarray"):
+        sciflat.fit(lambda m: m.k**2, Rates(), optax.adam(0.1), steps=2, progress=False)
