@@ -45,13 +45,28 @@ class _Lines:
         self.stream.flush()
 
 
+class _NoBar:
+    """What `progress=False` gets: a bar that does nothing (a disabled tqdm still costs
+    ~0.1 ms to make and a call per update: a NIST fit takes about 1 ms in all)."""
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix(self, **kwargs: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def progress_bar(*, enabled: bool, desc: str, unit: str, leave: bool = True, **kw):
-    """A tqdm bar suited to where `sys.stderr` goes; a disabled one if not `enabled`."""
+    """A tqdm bar suited to where `sys.stderr` goes; one that does nothing if not
+    `enabled`."""
+    if not enabled:
+        return _NoBar()
     from tqdm import tqdm
 
     options: dict[str, Any] = dict(desc=desc, unit=unit, leave=leave, **kw)
-    if not enabled:
-        return tqdm(disable=True, **options)
     if in_notebook():
         if importlib.util.find_spec("ipywidgets") is None:  # tqdm's widget needs it
             return tqdm(file=sys.stderr, **options)

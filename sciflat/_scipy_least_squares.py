@@ -146,8 +146,8 @@ def least_squares(
                 )
             )
         # SciPy asks for the Jacobian once per iteration, at the accepted point.
-        same = tracker.last_x is not None and np.array_equal(x, tracker.last_x)
-        tracker.iteration(x, tracker.last_f if same else _cost(fun(x)))
+        cost = tracker.cost_at(x)
+        tracker.iteration(x, _cost(fun(x)) if cost is None else cost)
         return out
 
     def call():
@@ -170,14 +170,13 @@ def least_squares(
                 " start closer."
             )
     p = jnp.asarray(np.asarray(x, dtype=np.float64))
-    # Standard errors from the Jacobian at the solution: one more Jacobian call.
+    # Standard errors from the Jacobian at the solution: SciPy's own (for the linear
+    # loss, `res.jac` is the Jacobian at `res.x`), or one more Jacobian call.
     unc, fitted = None, re(p)
     if kwargs.get("loss", "linear") == "linear" and np.isfinite(value):
+        jac_x = res.jac if res is not None else jac_fn(x, leaves)
         unc = for_values(
-            from_jacobian(np.asarray(jac_fn(x, leaves)), float(value), re),
-            re,
-            x,
-            fitted,
+            from_jacobian(np.asarray(jac_x), float(value), re), re, x, fitted
         )
     return FitResult(
         model=fitted,
@@ -197,8 +196,7 @@ def least_squares(
 
 
 def _cost(residuals: np.ndarray) -> float:
-    with np.errstate(over="ignore"):
-        return 0.5 * float(residuals @ residuals)
+    return 0.5 * float(residuals @ residuals)  # overflow: `call` ignores it
 
 
 def _build(kind: str, residuals, re, rebuild, mode: str) -> Callable:

@@ -253,12 +253,10 @@ def _scipy_callback(fun, tracker: sp.Tracker):
             x, value = intermediate_result, None
         x = np.asarray(x, dtype=np.float64)
         if value is None:
-            same = tracker.last_x is not None and np.array_equal(x, tracker.last_x)
-            if not same:
-                out = fun(x)
-                value = out[0] if isinstance(out, tuple) else out
-            else:
-                value = tracker.last_f
+            value = tracker.cost_at(x)
+        if value is None:
+            out = fun(x)
+            value = out[0] if isinstance(out, tuple) else out
         tracker.iteration(x, float(value))
 
     return callback

@@ -3,7 +3,7 @@ SciPy call, bookkeeping of the best point, and stopping cleanly."""
 
 import contextlib
 import functools as ft
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 from typing import Any, Literal, ParamSpec, TypeVar
 
@@ -18,7 +18,7 @@ from ._flatten import Restructure, destructure
 from ._layout import names as _names, nonfinite_paths
 from ._progress import progress_bar
 from ._scipy_fn_key import Same, function_key, identity_key
-from ._validate import as_flat_vector
+from ._validate import checked_flat_vector
 
 
 Mode = Literal["auto", "forward", "reverse"]
@@ -76,7 +76,7 @@ def start(model, x0, filter_spec, who: str) -> tuple[np.ndarray, Restructure]:
     else:
         p, re = _destructured(model, filter_spec)
         x0 = p if x0 is None else x0
-    x0 = as_flat_vector(x0, len(re), f"`{who}` (`x0`)")
+    x0 = checked_flat_vector(x0, len(re), f"`{who}` (`x0`)")
     if len(re) == 0:
         raise ValueError(f"`{who}`: the model has no trainable floating leaves.")
     # An exact conversion: float32 and narrower fit in float64 without rounding.
@@ -363,15 +363,25 @@ class Tracker:
         self.re, self.callback = re, callback
         self.stopped_at: tuple[np.ndarray, float] = (np.empty(0), np.nan)
         self.best_x, self.best_f = None, np.inf
-        self.last_x, self.last_f = None, np.nan
+        # The last few points evaluated: MINPACK's `lm` asks for the Jacobian at the
+        # accepted point after trying another, whose cost we then need not recompute.
+        self.recent: deque[tuple[np.ndarray, float]] = deque(maxlen=4)
         self.n_calls, self.history = 0, []
         self.bar = progress_bar(enabled=progress, desc=desc, unit="it", leave=False)
 
     def seen(self, x: np.ndarray, f: float) -> None:
         self.n_calls += 1
-        self.last_x, self.last_f = x.copy(), f
+        x = x.copy()  # SciPy may reuse its array
+        self.recent.append((x, f))
         if f < self.best_f:
-            self.best_x, self.best_f = self.last_x, f
+            self.best_x, self.best_f = x, f
+
+    def cost_at(self, x: np.ndarray) -> float | None:
+        """The loss at `x` if it is one of the last few points evaluated."""
+        for seen_x, f in reversed(self.recent):
+            if np.array_equal(x, seen_x):
+                return f
+        return None
 
     def iteration(self, x: np.ndarray, f: float) -> None:
         self.history.append(f)

@@ -13,6 +13,13 @@ def as_flat_vector(p, size: int, who: str) -> jax.Array:
     NumPy arrays and lists are accepted when JAX can hold them exactly: a float64 one
     while JAX's 64-bit mode is off is refused, since JAX would round it to float32.
     """
+    p = checked_flat_vector(p, size, who)
+    return p if isinstance(p, jax.Array) else jnp.asarray(p)
+
+
+def checked_flat_vector(p, size: int, who: str):
+    """`p` (a list as a NumPy array) if `as_flat_vector` accepts it, without a copy to
+    a device: for SciPy, which works on the host."""
     if isinstance(p, list | tuple):
         p = np.asarray(p)
     if not hasattr(p, "dtype") or not hasattr(p, "shape"):
@@ -40,4 +47,4 @@ def as_flat_vector(p, size: int, who: str) -> jax.Array:
         )
     if shape[0] != size:
         raise ValueError(f"{who} expected a vector of length {size}, got {shape[0]}.")
-    return p if isinstance(p, jax.Array) else jnp.asarray(p)
+    return p

@@ -75,3 +75,14 @@ def test_certified_values_and_standard_errors(fits, name, start):
     assert min(value_digits) >= 6, (values, problem.certified)
     assert min(stderr_digits) >= 4, (stderr, problem.certified_stderr)
     assert result.chisqr == pytest.approx(problem.certified_rss, rel=1e-6)
+
+
+@pytest.mark.parametrize("method", ["lm", "trf"])
+def test_no_residual_call_beyond_scipys(method):
+    """The loss history needs the cost at each accepted point: it is taken from the
+    calls SciPy made (MINPACK asks for the Jacobian at the accepted point after
+    trying another), not from one more residual call."""
+    result = nist.fit(PROBLEMS["Misra1a"], 1, method=method)
+    assert result.status == "converged"
+    assert result.n_evaluations == result.raw.nfev
+    assert len(result.history) == result.n_steps >= result.raw.njev - 1
