@@ -5,7 +5,8 @@ and Start 2: correct significant digits (LRE, the smallest over the parameters) 
 values and of the standard errors against NIST's certified ones, and the time per fit.
 lmfit runs `lmfit.minimize` with its defaults (MINPACK's Levenberg–Marquardt, a finite
 difference Jacobian), as its own NIST tests do; sciflat runs `least_squares` with its
-defaults (trust-region reflective, a JAX forward-mode Jacobian). Both in one process,
+defaults (`method="auto"`: MINPACK's Levenberg–Marquardt, as lmfit, since these fits have
+no bounds; a JAX forward-mode Jacobian). Both in one process,
 interleaved fit by fit, after one warm-up fit each (compilation excluded); medians over
 `--repeats`.
 

@@ -84,5 +84,6 @@ def test_no_residual_call_beyond_scipys(method):
     trying another), not from one more residual call."""
     result = nist.fit(PROBLEMS["Misra1a"], 1, method=method)
     assert result.status == "converged"
-    assert result.n_evaluations == result.raw.nfev
+    # SciPy counts a call it served from its cache; sciflat counts the calls it made.
+    assert result.n_evaluations <= result.raw.nfev
     assert len(result.history) == result.n_steps >= result.raw.njev - 1

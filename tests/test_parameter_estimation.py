@@ -47,6 +47,10 @@ def test_overflowing_sum_of_squares_is_not_nonfinite():
     start = {"b1": jnp.asarray(1.0), "b2": jnp.asarray(1.0)}
     res = lsq(exponential, start, (BOXBOD_X, BOXBOD_Y))
     assert res.status == "converged", res.message
+    # The default tries MINPACK's lm first, which cannot shrink a step to non-finite
+    # residuals: trf goes on from the start, and the message says so.
+    assert "`trf` ran from the start" in res.message and "method: trf" in res.message
+    assert res.n_evaluations > res.raw.nfev
     for name, (value, stderr) in BOXBOD.items():
         assert digits(res.model[name], value) >= 6
         assert digits(res.stderr[name], stderr) >= 4
