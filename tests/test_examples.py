@@ -227,6 +227,31 @@ def test_pinn_float32_then_float64(pinn):
     assert second["loss"] < first["loss"] < run["history"][0]
 
 
+@pytest.mark.slow  # > 1.5 s on 2 quiet cores (two BFGS compilations)
+def test_pinn_bfgs_on_p_float32_then_float64(pinn):
+    # Optimistix's BFGS on the flat vector: float32 first, then float64 from the same
+    # point by `p.astype` (the dtype rule), as with L-BFGS-B.
+    run = pinn.main(
+        width=8,
+        depth=2,
+        n_f=200,
+        lbfgs_steps=150,
+        optimizer="bfgs",
+        dtype="float32-then-float64",
+        report_every=50,
+        out=None,
+        progress=False,
+    )
+    first, second = run["stages"]
+    assert first["stage"] == "BFGS float32" and second["stage"] == "BFGS float64"
+    assert first["steps"] == second["steps"] == 150
+    assert run["p"].dtype == jnp.float64
+    assert second["loss"] < first["loss"] < run["history"][0] / 5  # from the start
+    assert run["error"] < 0.7  # u = 0 would be 1.0
+    # The error is reported every 50 evaluations, at cumulative counts.
+    assert [s for s, _ in run["errors"]][:3] == [50, 100, 150]
+
+
 @pytest.mark.slow
 def test_pinn_default_run_is_accurate(pinn, tmp_path):
     # The run a newcomer sees (seed 0): measured 6.3e-3 (seeds 1, 2: 2.6e-2, 1.1e-2),
