@@ -16,6 +16,9 @@ CPU, where it says so and what the placement check then means.
    matmul precision and at "highest" (on an Ampere+ GPU the default may use TF32).
 4. The benchmarks of issue 11 (`bench_node_step.py`, `bench_core.py`), each in a child
    process with a time limit, so one slow part cannot take the whole run.
+5. Issue 14: the float32 PINN trained at DEFAULT and at HIGHEST matmul precision
+   (`examples/pinn/train.py --compare-precision`): error, loss, time, and the cost of
+   one loss-and-gradient evaluation under each; in a child process, time-limited.
 
 Exits non-zero when a check (1-3) fails.
 """
@@ -183,25 +186,34 @@ def benchmarks(limit_s: int) -> None:
         ],
     ]
     for run in runs:
-        print(f"\n$ python benchmarks/{' '.join(run)}", flush=True)
-        try:
-            out = subprocess.run(
-                [sys.executable, os.path.join(HERE, run[0]), *run[1:]],
-                capture_output=True,
-                text=True,
-                timeout=limit_s,
-            )
-            print(out.stdout + out.stderr[-2000:], flush=True)
-        except subprocess.TimeoutExpired as e:
-            partial = (
-                e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
-            )
-            print(f"{partial}\n(stopped after {limit_s} s)", flush=True)
+        _child(os.path.join(HERE, run[0]), run[1:], limit_s)
+
+
+def precision_pinn(limit_s: int) -> None:
+    print("\n## 5. The float32 PINN at DEFAULT and HIGHEST matmul precision (issue 14)")
+    train = os.path.join(HERE, "..", "examples", "pinn", "train.py")
+    _child(train, ["--compare-precision", "--lbfgs-steps", "2000"], limit_s)
+
+
+def _child(script: str, args: list[str], limit_s: int) -> None:
+    """`python script *args` with a time limit, its output printed."""
+    print(f"\n$ python {os.path.relpath(script)} {' '.join(args)}", flush=True)
+    try:
+        out = subprocess.run(
+            [sys.executable, script, *args],
+            capture_output=True,
+            text=True,
+            timeout=limit_s,
+        )
+        print(out.stdout + out.stderr[-2000:], flush=True)
+    except subprocess.TimeoutExpired as e:
+        partial = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
+        print(f"{partial}\n(stopped after {limit_s} s)", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--no-bench", action="store_true", help="skip part 4")
+    parser.add_argument("--no-bench", action="store_true", help="skip parts 4 and 5")
     parser.add_argument(
         "--bench-limit", type=int, default=150, help="seconds per benchmark"
     )
@@ -216,6 +228,7 @@ def main() -> None:
     tf32(device)
     if not args.no_bench:
         benchmarks(args.bench_limit)
+        precision_pinn(2 * args.bench_limit)
     print(f"\n{len(FAILED)} check(s) failed" + (f": {FAILED}" if FAILED else ""))
     sys.exit(1 if FAILED else 0)
 

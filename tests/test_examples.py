@@ -261,6 +261,17 @@ def test_pinn_default_run_is_accurate(pinn, tmp_path):
     assert (tmp_path / "burgers.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow  # > 1.5 s on 2 quiet cores (two short trainings)
+def test_pinn_compare_precision_runs_both_settings(pinn):
+    # What benchmarks/gpu_check.py runs on a GPU; on the CPU float32 products are full
+    # float32 at either setting, so the two trainings are the same to the bit.
+    rows = pinn.compare_precision(lbfgs_steps=30, repeats=2, width=8, depth=2, n_f=100)
+    default, highest = rows
+    assert (default["setting"], highest["setting"]) == ("default", "highest")
+    assert default["error"] == highest["error"] and default["loss"] == highest["loss"]
+    assert default["eval_ms"] > 0 and highest["eval_ms"] > 0
+
+
 def test_pinn_loss_stays_float64(pinn):
     points = pinn.make_points(10, 20, seed=0, dtype=jnp.float64)
     p, re = sciflat.destructure(
