@@ -198,6 +198,14 @@ def test_pinn_xavier_init_and_input_scaling(pinn):
         np.testing.assert_allclose(model(jnp.float32(x), jnp.float32(t)), expected)
 
 
+def test_pinn_paper_sizes_yield_to_the_ones_given(pinn):
+    # `--paper --lbfgs-steps 10000` runs 10,000 steps, not the paper's 50,000.
+    assert pinn.sizes(True) == pinn.PAPER and pinn.sizes(False) == pinn.DEFAULT
+    chosen = pinn.sizes(True, lbfgs_steps=10_000, n_f=None)
+    assert chosen == {**pinn.PAPER, "lbfgs_steps": 10_000}
+    assert list(chosen) == list(pinn.DEFAULT)  # main unpacks them in this order
+
+
 def test_pinn_points_are_the_originals(pinn):
     (xf, tf), (xu, tu, u) = pinn.make_points(100, 500, seed=0, dtype=jnp.float64)
     assert len(xf) == 500 + 456 and len(xu) == 100  # boundary points are collocated

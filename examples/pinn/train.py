@@ -146,19 +146,28 @@ def cast_model(model, dtype):
 # The script.
 #
 
-# What Raissi et al.'s Burgers.py does: 8 hidden layers of 20, N_u = 100, 10,000
-# collocation points (plus the 456 boundary ones), no Adam, L-BFGS-B to 50,000.
+# The default run, and what Raissi et al.'s Burgers.py does: 8 hidden layers of 20,
+# N_u = 100, 10,000 collocation points (plus the 456 boundary ones), no Adam, L-BFGS-B
+# to 50,000. A size given explicitly wins over either.
+DEFAULT = dict(width=20, depth=8, n_u=100, n_f=4000, adam_steps=0, lbfgs_steps=3000)
 PAPER = dict(width=20, depth=8, n_u=100, n_f=10_000, adam_steps=0, lbfgs_steps=50_000)
+
+
+def sizes(paper: bool, **given) -> dict:
+    """`DEFAULT` (or `PAPER`), with every size given that is not None instead."""
+    chosen = dict(PAPER if paper else DEFAULT)
+    chosen.update({k: v for k, v in given.items() if v is not None})
+    return chosen
 
 
 def main(
     *,
-    width=20,
-    depth=8,
-    n_u=100,
-    n_f=4000,
-    adam_steps=0,
-    lbfgs_steps=3000,
+    width=None,
+    depth=None,
+    n_u=None,
+    n_f=None,
+    adam_steps=None,
+    lbfgs_steps=None,
     optimizer="lbfgs-b",
     lr=1e-3,
     init="xavier",
@@ -172,7 +181,8 @@ def main(
 ):
     """Trains a PINN for Burgers; returns a summary dict with the relative L2 error.
 
-    `paper=True` is the configuration of Raissi et al. (2019) (`PAPER`). `dtype` is
+    The sizes left as None come from `DEFAULT`, or with `paper=True` from `PAPER`, the
+    configuration of Raissi et al. (2019). `dtype` is
     `"float64"`, `"float32"` (the network computes in float32, as the original), or
     `"float32-then-float64"` (float32 first, then L-BFGS-B goes on in float64 from the
     same point). `report_every` prints the error every that many L-BFGS-B iterations.
@@ -181,14 +191,15 @@ def main(
     Optimistix's BFGS (a dense inverse Hessian) on `p` instead of SciPy's L-BFGS-B, for
     at most `lbfgs_steps` evaluations.
     """
-    if paper:
-        width, depth, n_u, n_f = (
-            PAPER["width"],
-            PAPER["depth"],
-            PAPER["n_u"],
-            PAPER["n_f"],
-        )
-        adam_steps, lbfgs_steps = PAPER["adam_steps"], PAPER["lbfgs_steps"]
+    width, depth, n_u, n_f, adam_steps, lbfgs_steps = sizes(
+        paper,
+        width=width,
+        depth=depth,
+        n_u=n_u,
+        n_f=n_f,
+        adam_steps=adam_steps,
+        lbfgs_steps=lbfgs_steps,
+    ).values()
     points = make_points(n_u, n_f, seed=seed, dtype=jnp.float64)
     u_ref = reference(X_GRID, T_GRID)
     xx, tt = (
@@ -407,9 +418,13 @@ def compare_precision(*, lbfgs_steps=2000, seed=0, repeats=20, **kwargs):
 
         python examples/pinn/train.py --compare-precision
     """
-    points = make_points(100, kwargs.get("n_f", 4000), seed=seed, dtype=jnp.float32)
+    points = make_points(
+        100, kwargs.get("n_f", DEFAULT["n_f"]), seed=seed, dtype=jnp.float32
+    )
     model = PINN(
-        kwargs.get("width", 20), kwargs.get("depth", 8), key=jax.random.key(seed)
+        kwargs.get("width", DEFAULT["width"]),
+        kwargs.get("depth", DEFAULT["depth"]),
+        key=jax.random.key(seed),
     )
     p, re = sciflat.destructure(model, dtype=jnp.float32)
     rows = {}
@@ -484,11 +499,11 @@ def _plot(u_ref, u_pred, steps, history, errors, out):
 def _parse(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add = parser.add_argument
-    add("--width", type=int, default=20, help="hidden width")
-    add("--depth", type=int, default=8, help="hidden layers")
-    add("--n-f", dest="n_f", type=int, default=4000, help="collocation points")
-    add("--adam-steps", type=int, default=0, help="Adam steps before L-BFGS-B")
-    add("--lbfgs-steps", type=int, default=3000, help="L-BFGS-B iterations at most")
+    add("--width", type=int, help="hidden width (20)")
+    add("--depth", type=int, help="hidden layers (8)")
+    add("--n-f", dest="n_f", type=int, help="collocation points (4,000)")
+    add("--adam-steps", type=int, help="Adam steps before L-BFGS-B (0)")
+    add("--lbfgs-steps", type=int, help="L-BFGS-B iterations at most (3,000)")
     add("--init", choices=["xavier", "equinox"], default="xavier")
     add(
         "--dtype",
@@ -521,7 +536,8 @@ def _parse(argv=None):
 if __name__ == "__main__":
     flags = vars(_parse())
     if flags.pop("compare_precision"):
-        compare_precision(lbfgs_steps=flags["lbfgs_steps"], seed=flags["seed"])
+        steps = flags["lbfgs_steps"] or 2000
+        compare_precision(lbfgs_steps=steps, seed=flags["seed"])
         sys.exit(0)
     result = main(**flags)
     sys.exit(1 if result["diverged"] else 0)
