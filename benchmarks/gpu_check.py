@@ -192,7 +192,7 @@ def benchmarks(limit_s: int) -> None:
 def precision_pinn(limit_s: int) -> None:
     print("\n## 5. The float32 PINN at DEFAULT and HIGHEST matmul precision (issue 14)")
     train = os.path.join(HERE, "..", "examples", "pinn", "train.py")
-    _child(train, ["--compare-precision", "--lbfgs-steps", "2000"], limit_s)
+    _child(train, ["--compare-precision", "--steps", "2000"], limit_s)
 
 
 def _child(script: str, args: list[str], limit_s: int) -> None:
