@@ -339,7 +339,12 @@ def load(
     The model (rebuilt in the loaded dtype) if `like` is a model, or `p` if `like` is a
     `Restructure`.
     """
-    re = like if isinstance(like, Restructure) else destructure(like, filter_spec)[1]
+    # With `dtype`, the skeleton is flattened in it: its own dtype may not hold a frozen
+    # complex leaf (float16 has no complex counterpart) where the one asked for does.
+    if isinstance(like, Restructure):
+        re = like
+    else:
+        re = destructure(like, filter_spec, dtype=dtype)[1]
     _, _, p = load_flat(path, re, dtype, "sciflat.load")
     p = jnp.asarray(p)
     return p if isinstance(like, Restructure) else re(p)

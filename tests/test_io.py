@@ -340,3 +340,16 @@ def test_a_broken_json_header_names_the_file(tmp_path):
     np.savez(tmp_path / "broken.npz", **arrays)
     with pytest.raises(ValueError, match=r"broken\.npz'.*header is not valid JSON"):
         sciflat.load(tmp_path / "broken.npz", model)
+
+
+def test_load_flattens_the_skeleton_in_the_dtype_asked_for(tmp_path):
+    # Found by the random-model property: a float16 model with a frozen complex leaf
+    # has no p of its own dtype (no complex float16), but loads in float32.
+    model = {"u0": jnp.asarray(0.75, jnp.float16), "u1": jnp.asarray(1.2 + 0.5j)}
+    spec = {"u0": True, "u1": False}
+    p, re = sciflat.destructure(model, spec, dtype=jnp.float32)
+    path = str(tmp_path / "m.npz")
+    sciflat.save(path, p, re)
+    loaded = sciflat.load(path, model, filter_spec=spec, dtype=jnp.float32)
+    assert loaded["u0"].dtype == jnp.float32 and loaded["u1"].dtype == jnp.complex64
+    assert float(loaded["u0"]) == 0.75 and complex(loaded["u1"]) == 1.2 + 0.5j
