@@ -13,6 +13,13 @@ interleaved fit by fit, after one warm-up fit each (compilation excluded); media
     python benchmarks/bench_nist.py                  # about a minute
     python benchmarks/bench_nist.py --repeats 3 Misra1a Chwirut2
     python benchmarks/bench_nist.py path/to/BoxBOD.dat   # any StRD file
+    python benchmarks/bench_nist.py --sync-dispatch      # JAX's CPU async dispatch off
+
+`--sync-dispatch` sets `jax_cpu_enable_async_dispatch` to False before JAX starts: JAX
+then runs each compiled call on the calling thread instead of handing it to a worker
+thread that has to be woken (tens of microseconds per call on a host-driven loop as
+MINPACK's). It is a setting of the user's program, not sciflat's; its figures go beside
+the default's.
 """
 
 import argparse
@@ -94,7 +101,17 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("problems", nargs="*", help="names in tests/data or .dat paths")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--sync-dispatch",
+        action="store_true",
+        help="run JAX's CPU computations on the calling thread (no async dispatch)",
+    )
     args = parser.parse_args(argv)
+    if args.sync_dispatch:  # read when JAX's CPU backend starts, i.e. on first use
+        jax.config.update("jax_cpu_enable_async_dispatch", False)
+    print(
+        f"JAX's CPU async dispatch: {'off' if args.sync_dispatch else 'on (default)'}"
+    )
     problems = (
         [nist.read(p) for p in args.problems] if args.problems else nist.problems()
     )

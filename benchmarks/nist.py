@@ -158,7 +158,7 @@ def fit(problem: Problem, start: int, **kwargs):
     """`sciflat.least_squares` with its defaults on one problem from Start 1 or 2."""
     import sciflat
 
-    data = (jnp.asarray(problem.x), jnp.asarray(problem.y))
+    data = (problem.x, problem.y)  # NumPy, as for lmfit
     return sciflat.least_squares(
         problem.residuals, problem.start(start), args=data, progress=False, **kwargs
     )

@@ -97,6 +97,11 @@ def _destructured(model, filter_spec) -> tuple[np.ndarray, Restructure]:
     leaf (which may be changed in place) or a `filter_spec` other than a bool is
     never reused."""
     leaves, treedef = jax.tree.flatten(model)
+    if (
+        filter_spec is True
+        and (hit := _by_structure(model, leaves, treedef)) is not None
+    ):
+        return hit
     mutable = any(isinstance(x, np.ndarray | jax.core.Tracer) for x in leaves)
     if mutable or not isinstance(filter_spec, bool):
         p, re = destructure(model, filter_spec, dtype=jnp.float64)
@@ -113,6 +118,43 @@ def _destructured(model, filter_spec) -> tuple[np.ndarray, Restructure]:
         while len(_MODELS) > 8:
             _MODELS.popitem(last=False)
     return hit
+
+
+_REAL = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+_BY_STRUCTURE: OrderedDict[Hashable, Restructure] = OrderedDict()
+
+
+def _by_structure(
+    model, leaves: list, treedef
+) -> tuple[np.ndarray, Restructure] | None:
+    """When every leaf is a real floating array, all trainable (`{"b1": 500.0, ...}`
+    after `promote_floats`, or a plain Equinox model), `re` depends on the structure
+    alone: the tree, the shapes, and which leaves are the same array. A
+    fit of new start values then reuses `re` (and so its compiled functions) and
+    builds `p` with NumPy; `None` otherwise."""
+    if not leaves or not all(
+        isinstance(x, jax.Array | np.ndarray)
+        and x.dtype in _REAL
+        and not isinstance(x, jax.core.Tracer)
+        for x in leaves
+    ):
+        return None
+    first: dict[int, int] = {}  # ties are by identity, as in `destructure`
+    ties = tuple(first.setdefault(id(x), i) for i, x in enumerate(leaves))
+    key = (treedef, tuple(x.shape for x in leaves), ties)  # `p` is float64 anyway
+    try:
+        re = _BY_STRUCTURE.get(key)
+    except TypeError:  # an unhashable static field
+        return None
+    if re is None:
+        p, re = destructure(model, dtype=jnp.float64)
+        _BY_STRUCTURE[key] = re
+        while len(_BY_STRUCTURE) > 8:
+            _BY_STRUCTURE.popitem(last=False)
+        return np.asarray(p), re
+    _BY_STRUCTURE.move_to_end(key)
+    unique = [x for i, x in enumerate(leaves) if ties[i] == i]
+    return np.concatenate([np.asarray(x, np.float64).ravel() for x in unique]), re
 
 
 _P = ParamSpec("_P")
@@ -155,9 +197,13 @@ class NonFinite(Exception):
 
 def split_args(args: tuple) -> tuple[list, Any]:
     """Array leaves of `args` (passed to the compiled call) and a hashable key that
-    puts them back (so a second fit with new data reuses the compiled functions)."""
+    puts them back (so a second fit with new data reuses the compiled functions).
+    NumPy data is put on the device once here, not at every call of the fit."""
     dynamic, static = eqx.partition(args, eqx.is_array)
     leaves, treedef = jax.tree.flatten(dynamic)
+    leaves = [
+        jnp.asarray(x) if isinstance(x, np.ndarray | np.generic) else x for x in leaves
+    ]
     return leaves, _Rebuild(treedef, static)
 
 

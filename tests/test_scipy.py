@@ -365,26 +365,40 @@ def test_function_key_falls_back_to_identity_for_what_may_change():
     assert identity_key(wrap(quad_loss)) != identity_key(wrap(tied_loss))
 
 
-def test_the_same_start_model_is_flattened_once_unless_it_can_change(monkeypatch):
+def test_a_start_of_the_same_structure_is_flattened_once_with_its_own_values(
+    monkeypatch,
+):
     calls = []
     real = sp.destructure
     monkeypatch.setattr(
         sp, "destructure", lambda *a, **k: calls.append(1) or real(*a, **k)
     )
     seen = _spy(monkeypatch, "minimize")
-    loss = lambda m: jnp.sum((m["w"] - 1.0) ** 2)
+    loss = lambda m: jnp.sum((m["w"] - 1.0) ** 2) + jnp.sum(m["v"] ** 2)
     fit = lambda model: sciflat.minimize(loss, model, progress=False)
-    model = {"w": jnp.asarray([3.0, 4.0])}
-    fit(model)
-    fit(model)
-    assert len(calls) == 1 and seen["x0"].tolist() == [3.0, 4.0]
-    fit({"w": jnp.asarray([3.0, 4.0])})  # equal values, other arrays: flattened
-    assert len(calls) == 2
-    mutable = {"w": np.asarray([3.0, 4.0])}
-    fit(mutable)
+    w = jnp.asarray([3.0, 4.0])
+    fit({"w": w, "v": jnp.asarray([5.0, 6.0])})
+    fit({"w": w, "v": jnp.asarray([5.0, 6.0])})
+    assert len(calls) == 1 and seen["x0"].tolist() == [5.0, 6.0, 3.0, 4.0]
+    fit({"w": jnp.asarray([-1.0, 0.5]), "v": np.asarray([7.0, 8.0], np.float32)})
+    assert len(calls) == 1 and seen["x0"].tolist() == [7.0, 8.0, -1.0, 0.5]
+    mutable = {"w": np.asarray([3.0, 4.0]), "v": np.asarray([1.0, 2.0])}
     mutable["w"][0] = -2.0  # changed in place: the new start is used
     fit(mutable)
-    assert len(calls) == 4 and seen["x0"].tolist() == [-2.0, 4.0]
+    assert len(calls) == 1 and seen["x0"].tolist() == [1.0, 2.0, -2.0, 4.0]
+    # Another structure: the same array twice is one parameter vector, tied.
+    result = fit({"w": w, "v": w})
+    assert len(calls) == 2 and seen["x0"].tolist() == [3.0, 4.0]
+    assert result.model["v"] is result.model["w"]
+    fit({"w": jnp.asarray([3.0]), "v": w})  # another shape
+    assert len(calls) == 3 and seen["x0"].tolist() == [3.0, 4.0, 3.0]
+    # Frozen leaves are values `re` holds: flattened once per model, not structure.
+    frozen = lambda v: {"w": jnp.asarray([3.0, 4.0]), "k": jnp.asarray(v, jnp.int32)}
+    for v in (1, 2):
+        sciflat.minimize(
+            lambda m: jnp.sum(m["w"] ** 2) * m["k"], frozen(v), progress=False
+        )
+    assert len(calls) == 5
 
 
 def test_data_after_the_model_is_a_clear_type_error():
