@@ -97,6 +97,28 @@ def run_one(problem: nist.Problem, start: int, repeats: int) -> dict:
     )
 
 
+def per_call_us(problem: nist.Problem, host_us: float, calls: int = 1000) -> float:
+    """Median µs of one jitted residual call after `host_us` of other host work (as
+    MINPACK's own step between two calls): JAX's CPU runtime runs a computation
+    estimated at under 1000 flops inline, and hands a larger one to a worker thread,
+    which sleeps between calls of a host-driven loop and must be woken."""
+    values = np.array(problem.starts[1])
+    residuals = problem.residuals
+    named = lambda b: {k: b[i] for i, k in enumerate(problem.names)}
+    f = jax.jit(lambda b, x, y: residuals(named(b), x, y))
+    x, y = jax.numpy.asarray(problem.x), jax.numpy.asarray(problem.y)
+    np.asarray(f(values, x, y))
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < host_us * 1e-6:
+            pass
+        t1 = time.perf_counter()
+        np.asarray(f(values, x, y))
+        times.append(time.perf_counter() - t1)
+    return 1e6 * statistics.median(times)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("problems", nargs="*", help="names in tests/data or .dat paths")
@@ -115,6 +137,13 @@ def main(argv=None):
     problems = (
         [nist.read(p) for p in args.problems] if args.problems else nist.problems()
     )
+    for p in [q for q in problems if q.name in ("Misra1a", "Chwirut1")]:
+        calls = ", ".join(
+            f"{per_call_us(p, us):.0f} µs after {us} µs" for us in (0, 100)
+        )
+        print(
+            f"one jitted {p.name} residual call ({len(p.x)} points): {calls} of host work"
+        )
     rows = [run_one(p, s, args.repeats) for p in problems for s in (1, 2)]
     print(
         "| problem | start | digits sciflat | digits lmfit | stderr digits sciflat "
