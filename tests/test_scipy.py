@@ -669,6 +669,28 @@ def exp_residuals(m, t, y):
     return m["amp"] * jnp.exp(-m["rate"] * t) - y
 
 
+def test_numpy_data_is_put_on_the_device_once_per_fit(monkeypatch):
+    kinds = []
+    real_get = sp.Programs.get
+
+    def get(self, *a, **k):
+        fn = real_get(self, *a, **k)
+
+        def spy(x, leaves):
+            kinds.extend(type(leaf) for leaf in leaves)
+            return fn(x, leaves)
+
+        spy.out_info = fn.out_info
+        return spy
+
+    monkeypatch.setattr(sp.Programs, "get", get)
+    data = (np.asarray(T), np.asarray(Y))
+    res = sciflat.least_squares(exp_residuals, exp_model(), args=data, progress=False)
+    assert res.status == "converged", res.message
+    np.testing.assert_allclose([res.model["amp"], res.model["rate"]], [3.0, 1.3])
+    assert kinds and all(issubclass(k, jax.Array) for k in kinds), set(kinds)
+
+
 @pytest.mark.parametrize("method", ["trf", "dogbox", "lm"])
 def test_least_squares_methods(method):
     res = sciflat.least_squares(
