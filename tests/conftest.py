@@ -1,3 +1,6 @@
+import os
+
+import hypothesis
 import jax
 import pytest
 
@@ -5,6 +8,14 @@ import pytest
 # The suite runs with 64-bit mode on, so float64 is available everywhere; the few tests
 # about what happens without it ask for the `x64_off` fixture.
 jax.config.update("jax_enable_x64", True)
+
+
+# In CI the property tests draw the same examples every run, so a CI failure can be
+# reproduced from the log; a local run draws new ones (and keeps failures in
+# `.hypothesis/`), which is how new failures are found.
+hypothesis.settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    hypothesis.settings.load_profile("ci")
 
 
 @pytest.fixture
