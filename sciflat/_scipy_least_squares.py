@@ -1,5 +1,6 @@
 """`scipy.optimize.least_squares` on a model: residuals and Jacobian by JAX."""
 
+import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -165,9 +166,11 @@ def least_squares(
 
 def _solve(method, start, lb_ub, res_fn, jac_fn, leaves, re, tracker, limit, kwargs):
     """One run of SciPy's `least_squares`: `(raw, status, message, x, cost)`."""
+    ahead = _JacobianAhead(jac_fn, leaves)
 
     def fun(x):
         out = np.array(res_fn(x, leaves))
+        ahead.start(x)
         # Finite residuals whose sum of squares overflows are not an error: SciPy's
         # cost is then inf and it shrinks the step (NIST BoxBOD from Start 1).
         cost = _cost(out)
@@ -188,7 +191,7 @@ def _solve(method, start, lb_ub, res_fn, jac_fn, leaves, re, tracker, limit, kwa
         return out
 
     def jac(x, *_):
-        out = np.array(jac_fn(x, leaves))
+        out = ahead.get(x)
         if not np.isfinite(out).all():
             where = f"iteration {len(tracker.history) + 1}"
             raise sp.NonFinite(
@@ -228,6 +231,43 @@ def _solve(method, start, lb_ub, res_fn, jac_fn, leaves, re, tracker, limit, kwa
                 " start closer."
             )
     return res, status, message, x, value
+
+
+class _JacobianAhead:
+    """The Jacobian at each new point, dispatched as soon as its residuals are in.
+
+    SciPy asks for the Jacobian at the point whose residuals it has just accepted. JAX
+    runs a computation above ~1000 flops on a worker thread, which falls asleep while
+    SciPy takes its step and is woken, at ~90 µs, for every call (docs/scipy.md, "JAX's
+    CPU async dispatch"). Started right after the residuals, the Jacobian runs while
+    SciPy decides, and is ready when asked for; one at a rejected point is dropped.
+    Only while a Jacobian takes under `_AHEAD_MAX_S` (measured on the calls not started
+    ahead): an expensive one (an ODE solve) would hold up the next residuals. The same
+    compiled function on the same point: the values are the same either way."""
+
+    def __init__(self, jac_fn, leaves):
+        self.jac_fn, self.leaves = jac_fn, leaves
+        self.cheap = False  # known after the first Jacobian
+        self.pending: tuple[np.ndarray, Any] | None = None
+
+    def start(self, x: np.ndarray) -> None:
+        if self.cheap:  # a copy: SciPy may change `x` in place while this runs
+            x = x.copy()
+            self.pending = (x, self.jac_fn(x, self.leaves))
+
+    def get(self, x: np.ndarray) -> np.ndarray:
+        pending, self.pending = self.pending, None
+        if pending is not None and np.array_equal(pending[0], x):
+            return np.array(pending[1])
+        t0 = time.perf_counter()
+        out = np.array(self.jac_fn(x, self.leaves))
+        self.cheap = time.perf_counter() - t0 < _AHEAD_MAX_S
+        return out
+
+
+_AHEAD_MAX_S = (
+    5e-4  # about five thread wake-ups: a Jacobian this cheap costs little where dropped
+)
 
 
 # MINPACK's `lmder`, as `scipy.optimize.leastsq` calls it: the iterates of

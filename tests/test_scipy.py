@@ -669,6 +669,53 @@ def exp_residuals(m, t, y):
     return m["amp"] * jnp.exp(-m["rate"] * t) - y
 
 
+@pytest.mark.parametrize("method", ["lm", "trf"])
+def test_jacobian_started_ahead_changes_nothing_but_when_it_runs(monkeypatch, method):
+    """The Jacobian dispatched after every residual call (dropped where SciPy rejects
+    the step) gives the very same fit as one computed when SciPy asks for it."""
+    from sciflat import _scipy_least_squares as ls
+
+    counts = []
+    real = sp.Programs.first_working
+
+    def counting(self, *a, **k):
+        fn, mode = real(self, *a, **k)
+
+        def jac(x, leaves):
+            counts[-1] += 1
+            return fn(x, leaves)
+
+        return jac, mode
+
+    monkeypatch.setattr(sp.Programs, "first_working", counting)
+    far = {"amp": jnp.asarray(100.0), "rate": jnp.asarray(10.0)}  # steps get rejected
+    fits = []
+    for limit in (0.0, np.inf):  # never, always ahead
+        monkeypatch.setattr(ls, "_AHEAD_MAX_S", limit)
+        counts.append(0)
+        fits.append(
+            sciflat.least_squares(
+                exp_residuals, far, args=(T, Y), method=method, progress=False
+            )
+        )
+    off, ahead = fits
+    assert off.status == "converged", off.message
+    np.testing.assert_array_equal(ahead.p, off.p)
+    np.testing.assert_array_equal(ahead.history, off.history)
+    assert ahead.n_evaluations == off.n_evaluations
+    assert (ahead.raw.nfev, ahead.raw.njev) == (off.raw.nfev, off.raw.njev)
+    # Ahead: one Jacobian per new point; some of them at rejected points, dropped.
+    # Off: only those SciPy asks for (and perhaps `lm`'s final one, at a new point).
+    assert off.raw.njev <= counts[0] <= off.raw.njev + 1
+    assert counts[1] > counts[0], counts
+    np.testing.assert_array_equal(ahead.stderr["rate"], off.stderr["rate"])
+    # One started at another point than the one asked for is not used.
+    jac_ahead = ls._JacobianAhead(lambda x, leaves: 2.0 * x, [])
+    jac_ahead.cheap = True
+    jac_ahead.start(np.array([1.0]))
+    np.testing.assert_array_equal(jac_ahead.get(np.array([3.0])), [6.0])
+
+
 def test_numpy_data_is_put_on_the_device_once_per_fit(monkeypatch):
     kinds = []
     real_get = sp.Programs.get
