@@ -242,18 +242,25 @@ class _JacobianAhead:
     CPU async dispatch"). Started right after the residuals, the Jacobian runs while
     SciPy decides, and is ready when asked for; one at a rejected point is dropped.
     Only while a Jacobian takes under `_AHEAD_MAX_S` (measured on the calls not started
-    ahead): an expensive one (an ODE solve) would hold up the next residuals. The same
-    compiled function on the same point: the values are the same either way."""
+    ahead: an expensive one, as through an ODE solve, would hold up the next residuals)
+    and runs on the worker (one that JAX ran on this thread, already done when the call
+    returns, has no wake-up to hide). The same compiled function at the same point: the
+    values are the same either way."""
 
     def __init__(self, jac_fn, leaves):
         self.jac_fn, self.leaves = jac_fn, leaves
-        self.cheap = False  # known after the first Jacobian
+        self.ahead = False  # decided by the first Jacobian
+        self.inline = False
         self.pending: tuple[np.ndarray, Any] | None = None
 
     def start(self, x: np.ndarray) -> None:
-        if self.cheap:  # a copy: SciPy may change `x` in place while this runs
-            x = x.copy()
-            self.pending = (x, self.jac_fn(x, self.leaves))
+        if not self.ahead:
+            return
+        x = x.copy()  # SciPy may change its `x` in place while this runs
+        out = self.jac_fn(x, self.leaves)
+        self.pending = (x, out)
+        if out.is_ready():
+            self.ahead, self.inline = False, True
 
     def get(self, x: np.ndarray) -> np.ndarray:
         pending, self.pending = self.pending, None
@@ -261,13 +268,12 @@ class _JacobianAhead:
             return np.array(pending[1])
         t0 = time.perf_counter()
         out = np.array(self.jac_fn(x, self.leaves))
-        self.cheap = time.perf_counter() - t0 < _AHEAD_MAX_S
+        self.ahead = not self.inline and time.perf_counter() - t0 < _AHEAD_MAX_S
         return out
 
 
-_AHEAD_MAX_S = (
-    5e-4  # about five thread wake-ups: a Jacobian this cheap costs little where dropped
-)
+# About five thread wake-ups: a Jacobian this cheap costs little where it is dropped.
+_AHEAD_MAX_S = 5e-4
 
 
 # MINPACK's `lmder`, as `scipy.optimize.leastsq` calls it: the iterates of
