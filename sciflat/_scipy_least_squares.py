@@ -1,5 +1,6 @@
 """`scipy.optimize.least_squares` on a model: residuals and Jacobian by JAX."""
 
+import math
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -172,9 +173,10 @@ def _solve(method, start, lb_ub, res_fn, jac_fn, leaves, re, tracker, limit, kwa
         out = np.array(res_fn(x, leaves))
         ahead.start(x)
         # Finite residuals whose sum of squares overflows are not an error: SciPy's
-        # cost is then inf and it shrinks the step (NIST BoxBOD from Start 1).
+        # cost is then inf and it shrinks the step (NIST BoxBOD from Start 1). A
+        # finite cost means finite residuals: only a non-finite one needs a look.
         cost = _cost(out)
-        if not np.isfinite(out).all():
+        if not math.isfinite(cost) and not np.isfinite(out).all():
             jac = np.asarray(jac_fn(x, leaves))
             where = f"call {tracker.n_calls + 1} (iteration {len(tracker.history)})"
             raise sp.NonFinite(

@@ -104,11 +104,13 @@ def _inverse(
     # σ of J is known to eps σ_max, so σ² to eps² σ²_max; an AD Hessian to eps |H|.
     cutoff = _rank_cutoff(a.shape) ** (2 if squared else 1) * top
     keep = values > max(cutoff, np.finfo(np.float64).tiny)
+    if keep.all():  # every direction determined (the usual case)
+        return (vectors / values) @ vectors.T / np.outer(d, d), ()
     inner = (vectors[:, keep] / values[keep]) @ vectors[:, keep].T
     cov = inner / np.outer(d, d)
     dropped = []
     bad = np.zeros(len(d), bool)
-    names = entry_names(re) if not keep.all() else ()
+    names = entry_names(re)
     for v in vectors[:, ~keep].T:
         weights = v / d  # back in the parameters' own units
         weights = weights / np.max(np.abs(weights))
