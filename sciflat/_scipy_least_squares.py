@@ -245,32 +245,30 @@ class _JacobianAhead:
     SciPy decides, and is ready when asked for; one at a rejected point is dropped.
     Only while a Jacobian takes under `_AHEAD_MAX_S` (measured on the calls not started
     ahead: an expensive one, as through an ODE solve, would hold up the next residuals)
-    and runs on the worker (one that JAX ran on this thread, already done when the call
-    returns, has no wake-up to hide). The same compiled function at the same point: the
-    values are the same either way."""
+    and runs on the worker (one that JAX ran on this thread, as it does a computation
+    it estimates cheap, ODE solves included, is done when the call returns: there is no
+    wake-up to hide). The same compiled function at the same point: the values are the
+    same either way."""
 
     def __init__(self, jac_fn, leaves):
         self.jac_fn, self.leaves = jac_fn, leaves
-        self.ahead = False  # decided by the first Jacobian
-        self.inline = False
+        self.ahead = False  # decided at every Jacobian not started ahead
         self.pending: tuple[np.ndarray, Any] | None = None
 
     def start(self, x: np.ndarray) -> None:
-        if not self.ahead:
-            return
-        x = x.copy()  # SciPy may change its `x` in place while this runs
-        out = self.jac_fn(x, self.leaves)
-        self.pending = (x, out)
-        if out.is_ready():
-            self.ahead, self.inline = False, True
+        if self.ahead:
+            x = x.copy()  # SciPy may change its `x` in place while this runs
+            self.pending = (x, self.jac_fn(x, self.leaves))
 
     def get(self, x: np.ndarray) -> np.ndarray:
         pending, self.pending = self.pending, None
         if pending is not None and np.array_equal(pending[0], x):
             return np.array(pending[1])
         t0 = time.perf_counter()
-        out = np.array(self.jac_fn(x, self.leaves))
-        self.ahead = not self.inline and time.perf_counter() - t0 < _AHEAD_MAX_S
+        out = self.jac_fn(x, self.leaves)
+        on_worker = not out.is_ready()
+        out = np.array(out)
+        self.ahead = on_worker and time.perf_counter() - t0 < _AHEAD_MAX_S
         return out
 
 
