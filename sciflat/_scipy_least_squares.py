@@ -171,7 +171,6 @@ def _solve(method, start, lb_ub, res_fn, jac_fn, leaves, re, tracker, limit, kwa
 
     def fun(x):
         out = np.array(res_fn(x, leaves))
-        ahead.start(x)
         # Finite residuals whose sum of squares overflows are not an error: SciPy's
         # cost is then inf and it shrinks the step (NIST BoxBOD from Start 1). A
         # finite cost means finite residuals: only a non-finite one needs a look.
@@ -189,6 +188,7 @@ def _solve(method, start, lb_ub, res_fn, jac_fn, leaves, re, tracker, limit, kwa
                     "Jacobian",
                 )
             )
+        ahead.start(x)
         tracker.seen(x, cost)
         return out
 

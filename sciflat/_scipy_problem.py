@@ -92,10 +92,11 @@ _MODELS: OrderedDict[Hashable, tuple[np.ndarray, Restructure]] = OrderedDict()
 
 
 def _destructured(model, filter_spec) -> tuple[np.ndarray, Restructure]:
-    """`destructure(model, filter_spec, dtype=jnp.float64)`, `p` on the host, reused
-    for the same model: the same structure and the very same leaf objects. A NumPy
-    leaf (which may be changed in place) or a `filter_spec` other than a bool is
-    never reused."""
+    """`destructure(model, filter_spec, dtype=jnp.float64)`, `p` on the host. `re` is
+    reused for a model of the same structure when every leaf is a trainable real
+    array (`_by_structure`); otherwise both are reused for the same model: the same
+    structure and the very same leaf objects. A NumPy leaf (which may be changed in
+    place) or a `filter_spec` other than a bool is never reused there."""
     leaves, treedef = jax.tree.flatten(model)
     if (
         filter_spec is True
