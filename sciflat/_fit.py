@@ -149,4 +149,6 @@ def _finish(prep: Prepared, out: Outcome, checkpoint) -> FitResult:
                 f"{value}. Returning the last parameters with a finite loss and gradient."
             )
             p, value, opt_state = last_ok, float(history[-1]), None
-    return FitResult(re(p), p, value, status, message, history, carry.step, opt_state)
+    return FitResult(
+        re(p), p, value, status, message, history, carry.step, opt_state, re=re
+    )

@@ -49,10 +49,10 @@ class FitResult(Generic[_M]):
     - `history`: the loss at every step or call, as a NumPy array.
     - `n_steps`: steps (or solver iterations) taken.
     - `raw`: what the backend returned (SciPy's `OptimizeResult`, Optax's final state).
-    - `re`: the [`sciflat.Restructure`][] that rebuilds `model` from `p` (None for
-        `fit`).
+    - `re`: the [`sciflat.Restructure`][] that rebuilds `model` from `p`.
     - `uncertainty`: the [`sciflat.Uncertainty`][] of the parameters: computed by
-        `least_squares`, by [`sciflat.hessian_uncertainty`][] for `minimize`; else None.
+        `least_squares`, by [`sciflat.hessian_uncertainty`][] for `minimize` and
+        `fit`; else None.
     - `chisqr`: Σr², the sum of squared residuals (least squares only).
     - `n_data`: the number of residuals (least squares only).
     - `n_evaluations`: calls of the loss or residuals.

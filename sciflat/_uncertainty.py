@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import numpy.typing as npt
 
+from ._dtypes import X64_FIX, x64_enabled
 from ._flatten import Restructure
 
 
@@ -177,7 +178,8 @@ def hessian_uncertainty(
     scale: Literal["nll", "sse", "mse"] = "nll",
     n_data: int | None = None,
 ) -> "FitResult[_M]":
-    """The result of [`sciflat.minimize`][] with its covariance, from the Hessian.
+    """The result of [`sciflat.minimize`][] or [`sciflat.fit`][] with its covariance,
+    from the Hessian.
 
     The Hessian H of `loss(model, *args)` with respect to `p`, at `result.p`, by JAX
     (forward over reverse mode), inverted as in [`sciflat.Uncertainty`][]. What the
@@ -200,7 +202,9 @@ def hessian_uncertainty(
 
     **Arguments:**
 
-    - `result`: what `minimize` returned (it carries `re`).
+    - `result`: what `minimize` or `fit` returned (it carries `re`). The Hessian is
+        computed in float64, whatever `p.dtype` the fit ran in (JAX's 64-bit mode must
+        be on).
     - `loss`, `args`: the loss the fit minimised and its data.
     - `scale`: `"nll"`, `"sse"` or `"mse"`, as above.
     - `n_data`: the number of residuals (for `"sse"` and `"mse"`).
@@ -212,7 +216,14 @@ def hessian_uncertainty(
     """
     if result.re is None:
         raise ValueError(
-            "`result` has no `re` (a `fit` result): run `sciflat.minimize` first."
+            "`result` has no `re`: pass what `sciflat.minimize` or `sciflat.fit` "
+            "returned."
+        )
+    if not x64_enabled():
+        raise TypeError(
+            "`hessian_uncertainty` computes the Hessian in float64, but JAX's 64-bit "
+            f"mode is off, so JAX would round it to float32: {X64_FIX} at the start of "
+            "your program."
         )
     re = result.re
     x = jnp.asarray(result.p, jnp.float64)

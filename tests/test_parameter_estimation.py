@@ -3,6 +3,7 @@ standard errors, correlations and a report, checked against closed forms."""
 
 import equinox as eqx
 import hypothesis.strategies as st
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -160,6 +161,29 @@ def test_minimize_covariance_from_the_hessian(line_data, scale):
     np.testing.assert_allclose(res.covariance, want, rtol=1e-5)
     if scale != "nll":
         assert res.chisqr == pytest.approx(rss, rel=1e-6)
+
+
+def test_covariance_of_an_optax_fit_from_the_hessian(line_data, x64_off):
+    """`sciflat.fit` results carry `re` too: the covariance of a float32 Optax fit,
+    computed in float64 (with 64-bit mode on), matches the closed form."""
+    import optax
+
+    x, y = line_data
+    _, cov, rss = closed_form(np.asarray(x), np.asarray(y))
+    sse = lambda m, x, y: jnp.sum((m["a"] + m["b"] * x - y) ** 2)
+    start = {"a": jnp.float32(0.0), "b": jnp.float32(0.0)}
+    data = (jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32))
+    res = sciflat.fit(sse, start, optax.adam(0.05), steps=3000, args=data)
+    assert res.p.dtype == jnp.float32 and res.re is not None
+    with pytest.raises(TypeError, match="64-bit mode is off"):
+        sciflat.hessian_uncertainty(res, sse, args=data, scale="sse", n_data=20)
+    with jax.enable_x64(True):
+        data64 = (jnp.asarray(x), jnp.asarray(y))
+        res = sciflat.hessian_uncertainty(res, sse, args=data64, scale="sse", n_data=20)
+    # Adam in float32 stops within float32's reach of the minimum: the loss (and so
+    # s^2) to ~1e-4 relative, the Hessian (constant here) exactly.
+    np.testing.assert_allclose(res.covariance, cov, rtol=1e-3)
+    assert res.chisqr == pytest.approx(rss, rel=1e-3)
 
 
 def test_unidentifiable_direction_is_named_and_the_rest_is_exact(line_data):
