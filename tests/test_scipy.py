@@ -373,6 +373,9 @@ def test_a_start_of_the_same_structure_is_flattened_once_with_its_own_values(
     monkeypatch.setattr(
         sp, "destructure", lambda *a, **k: calls.append(1) or real(*a, **k)
     )
+    # Empty caches, whatever other tests fitted before.
+    monkeypatch.setattr(sp, "_BY_STRUCTURE", type(sp._BY_STRUCTURE)())
+    monkeypatch.setattr(sp, "_MODELS", type(sp._MODELS)())
     seen = _spy(monkeypatch, "minimize")
     loss = lambda m: jnp.sum((m["w"] - 1.0) ** 2) + jnp.sum(m["v"] ** 2)
     fit = lambda model: sciflat.minimize(loss, model, progress=False)
