@@ -217,49 +217,35 @@ def test_pinn_points_are_the_originals(pinn):
     assert xf.min() >= -1 and xf.max() <= 1 and tf.min() >= 0 and tf.max() <= 0.99
 
 
-@pytest.mark.slow
-def test_pinn_float32_then_float64(pinn):
+@pytest.mark.slow  # > 1.5 s on 2 quiet cores (two compilations per optimizer)
+@pytest.mark.parametrize("optimizer", ["lbfgs-b", "bfgs"])
+def test_pinn_float32_then_float64(pinn, optimizer):
+    # float32 first, then float64 from the same point by `p.astype` (the dtype rule):
+    # SciPy's L-BFGS-B through `sciflat.minimize`, or Optimistix's BFGS on the flat vector.
+    bfgs = optimizer == "bfgs"
     run = pinn.main(
         width=8,
         depth=2,
         n_f=200,
         steps=150,
-        optimizer="lbfgs-b",
+        optimizer=optimizer,
         dtype="float32-then-float64",
-        report_every=0,
+        report_every=50 if bfgs else 0,
         out=None,
         progress=False,
     )
     first, second = run["stages"]
-    assert first["stage"].endswith("float32") and second["stage"].endswith("float64")
+    name = "BFGS" if bfgs else "L-BFGS-B"
+    assert first["stage"] == f"{name} float32" and second["stage"] == f"{name} float64"
     assert run["p"].dtype == jnp.float64
     # The float64 stage goes on from where float32 stopped, and improves on it.
     assert second["loss"] < first["loss"] < run["history"][0]
-
-
-@pytest.mark.slow  # > 1.5 s on 2 quiet cores (two BFGS compilations)
-def test_pinn_bfgs_on_p_float32_then_float64(pinn):
-    # Optimistix's BFGS on the flat vector: float32 first, then float64 from the same
-    # point by `p.astype` (the dtype rule), as with L-BFGS-B.
-    run = pinn.main(
-        width=8,
-        depth=2,
-        n_f=200,
-        steps=150,
-        optimizer="bfgs",
-        dtype="float32-then-float64",
-        report_every=50,
-        out=None,
-        progress=False,
-    )
-    first, second = run["stages"]
-    assert first["stage"] == "BFGS float32" and second["stage"] == "BFGS float64"
-    assert first["steps"] == second["steps"] == 150
-    assert run["p"].dtype == jnp.float64
-    assert second["loss"] < first["loss"] < run["history"][0] / 5  # from the start
-    assert run["error"] < 0.7  # u = 0 would be 1.0
-    # The error is reported every 50 evaluations, at cumulative counts.
-    assert [s for s, _ in run["errors"]][:3] == [50, 100, 150]
+    if bfgs:
+        assert first["steps"] == second["steps"] == 150
+        assert first["loss"] < run["history"][0] / 5  # from the start
+        assert run["error"] < 0.7  # u = 0 would be 1.0
+        # The error is reported every 50 evaluations, at cumulative counts.
+        assert [s for s, _ in run["errors"]][:3] == [50, 100, 150]
 
 
 @pytest.mark.slow
