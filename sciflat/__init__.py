@@ -32,11 +32,13 @@ if typing.TYPE_CHECKING:
     )
     from ._scipy_least_squares import least_squares as least_squares
     from ._scipy_minimize import minimize as minimize
+    from ._scipy_problem import clear_caches as clear_caches
 
 _LAZY = {
     "fit": "._fit",
     "least_squares": "._scipy_least_squares",
     "minimize": "._scipy_minimize",
+    "clear_caches": "._scipy_problem",
     "multistart": "._multistart",
     "MultiStartResult": "._multistart",
 }

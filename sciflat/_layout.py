@@ -6,13 +6,9 @@ The one vocabulary of leaf kinds, shared by the core (`_flatten.py`), the file f
 
 import dataclasses
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, Final, Literal
+from typing import Any, Final, Literal, Protocol
 
 import numpy as np
-
-
-if TYPE_CHECKING:
-    from ._flatten import Restructure
 
 
 Kind = Literal["trainable", "frozen", "other"]
@@ -75,7 +71,13 @@ class Layout(tuple[Leaf, ...]):
         return [x.to_json() for x in self]
 
 
-def nonfinite_paths(flat, re: "Restructure") -> list[str]:
+class HasLayout(Protocol):
+    """What the helpers below need of a `Restructure` (which imports this module)."""
+
+    def layout(self) -> "Layout": ...
+
+
+def nonfinite_paths(flat, re: HasLayout) -> list[str]:
     """Paths of the slots of `p` with a NaN or infinite entry in `flat`."""
     # `astype` (not a view): bfloat16 & co. convert to float64 exactly, NaN included.
     bad = ~np.isfinite(np.asarray(flat).astype(np.float64))

@@ -113,7 +113,7 @@ def least_squares(
     programs = sp.Programs(_build, residuals, re, sp.check_args(args, "least_squares"))
     leaves = programs.leaves
     res_fn = programs.get("residuals", "none", start)
-    m = res_fn.out_info.shape[0]
+    m = programs.out_info["residuals"].shape[0]
     modes = sp.choose_modes(mode, len(re) <= m)
     jac_fn, used = programs.first_working("jacobian", modes, start)
     limit = sp.blas_threads_limit(blas_threads, len(re) * m)

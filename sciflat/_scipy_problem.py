@@ -17,7 +17,7 @@ from ._dtypes import X64_FIX, x64_enabled
 from ._flatten import Restructure, destructure
 from ._layout import names as _names, nonfinite_paths
 from ._progress import progress_bar
-from ._scipy_fn_key import Same, function_key, identity_key
+from ._scipy_fn_key import Same, identity_key
 from ._validate import checked_flat_vector
 
 
@@ -230,34 +230,20 @@ class _Rebuild:
 
 
 #
-# Compiled functions, cached across fits
+# Compiled functions, reused across fits as `jax.jit` reuses them
 #
 
-# Keyed by everything that can change what a trace produces (the loss by
-# `function_key`, `re`, the static part and the shapes/dtypes of the data, JAX's
-# trace-time configuration), so a second fit of the same problem (new data of the same
-# shapes, new start, new `lambda` with the same code and closure) traces nothing.
-# Ahead-of-time compiled: a call with other shapes is an error, never a retrace of a
-# stale function.
+# One `jax.jit` per (kind, mode, loss, `re`, static part of `args`): the loss by
+# identity, as `jax.jit` keys it, and `re` and the static part by structure (`re`
+# compares its frozen arrays by identity). Shapes, dtypes, placement and JAX's
+# configuration are keyed by `jax.jit` itself, which retraces when any of them change.
+# So a fit reuses a compilation exactly where `jax.jit` of the same function would.
 _CACHE: OrderedDict[Hashable, Any] = OrderedDict()
 CACHE_SIZE = 64
 
 
 class _Failed:
     """A gradient mode that failed to trace while another one worked."""
-
-
-def _config_key() -> Hashable:
-    # x64 and the matmul precision explicitly (documented); JAX's own jit key for the rest.
-    try:
-        from jax._src.config import trace_context
-
-        rest = trace_context()
-    except Exception:  # a JAX without it: the two that matter most
-        rest = ()
-    # Context-manager flags are read as attributes (`jax.config.read` refuses them).
-    flags = ("jax_enable_x64", "jax_default_matmul_precision")
-    return (*(getattr(jax.config, f) for f in flags), rest)
 
 
 def _signature(example) -> Hashable:
@@ -269,60 +255,42 @@ def _signature(example) -> Hashable:
 
 
 class Programs:
-    """The compiled functions of one fit, looked up in (or added to) the cache.
-
-    The loss is looked up first by identity (the same function object is reused, as
-    by `jax.jit`), then by `function_key` (a new `lambda` with the same code and
-    equal closure and globals)."""
+    """The jitted functions of one fit, looked up in (or added to) the cache."""
 
     def __init__(self, build: Callable, loss: Callable, re: Restructure, args: tuple):
         self.leaves, rebuild = split_args(args)
         self._parts = (build, loss, re, rebuild)
-        self._rest = (build, re, rebuild, _config_key())
-        self._by_value: Hashable | None = None
-
-    def _lookup(self, kind: str, mode: str, example) -> tuple[Any, list]:
-        """The cached entry (or None) and the keys to store a new one under."""
-        loss = self._parts[1]
-        where = (kind, mode, _signature((*example, self.leaves)), self._rest)
-        keys: list[Hashable] = [(*where, identity_key(loss))]
-        hit = _CACHE.get(keys[0])
-        if hit is None:
-            if self._by_value is None:
-                self._by_value = function_key(loss)
-            if self._by_value != Same(loss):  # keyable by value
-                keys.append((*where, self._by_value))
-                hit = _CACHE.get(keys[-1])
-        if hit is not None:
-            _CACHE.move_to_end(keys[-1])
-        return hit, keys
+        self._key = (build, identity_key(loss), re, rebuild)
+        self.out_info: dict[str, Any] = {}  # of each kind got, as traced
 
     def get(self, kind: str, mode: str, *example) -> Any:
-        """The compiled `kind` function; `example`: its arguments but the data."""
-        hit, keys = self._lookup(kind, mode, example)
-        if hit is None or isinstance(hit, _Failed):
+        """The jitted `kind` function, traced at `example` (its arguments but the
+        data), so that an error in the trace is raised here."""
+        key = (kind, mode, *self._key)
+        fn = _CACHE.get(key)
+        if fn is None:
             build, loss, re, rebuild = self._parts
             fn = jax.jit(build(kind, loss, re, rebuild, mode))
-            hit = fn.lower(*example, self.leaves).compile()
-            for key in keys:
-                _remember(key, hit)
-        return hit
+        traced = fn.trace(*example, self.leaves)  # cached by `jax.jit` for the call
+        _remember(key, fn)
+        self.out_info[kind] = traced.out_info
+        return fn
 
     def first_working(self, kind: str, modes: list[str], *example) -> tuple[Any, str]:
-        """Compile with the preferred mode; on a trace-time error (e.g. forward mode
+        """Trace with the preferred mode; on a trace-time error (e.g. forward mode
         through `RecursiveCheckpointAdjoint`, reverse mode through `ForwardMode`) fall
         back to the other one. A mode that failed is remembered (not traced again)
-        once another one worked. Returns (compiled function, mode used)."""
+        once another one worked. Returns (jitted function, mode used)."""
+        where = _signature((*example, self.leaves))
         failed, errors = [], []
         for i, mode in enumerate(modes):
-            hit, keys = self._lookup(kind, mode, example)
-            if isinstance(hit, _Failed) and i < len(modes) - 1:
+            failure = ("failed", kind, mode, where, *self._key)
+            if failure in _CACHE and i < len(modes) - 1:
                 continue  # the last mode is traced again, to raise its own error
             try:
-                usable = hit is not None and not isinstance(hit, _Failed)
-                fn = hit if usable else self.get(kind, mode, *example)
+                fn = self.get(kind, mode, *example)
             except (TypeError, ValueError) as e:
-                failed += keys
+                failed.append(failure)
                 errors.append(e)
                 continue
             for key in failed:
@@ -333,8 +301,29 @@ class Programs:
 
 def _remember(key, value) -> None:
     _CACHE[key] = value
+    _CACHE.move_to_end(key)
     while len(_CACHE) > CACHE_SIZE:
         _CACHE.popitem(last=False)
+
+
+def clear_caches() -> None:
+    """Forget every compiled function and flattened start model sciflat keeps.
+
+    sciflat keeps the jitted functions of recent SciPy fits (reused by a later fit of
+    the same loss object, `Restructure` and data structure, exactly where `jax.jit`
+    would reuse them) and the `Restructure` of recent start models. Call this to free
+    their memory, or to time a first fit again; nothing else changes, since a hit
+    never returns a stale result. (`jax.clear_caches()` clears JAX's own.)
+
+    !!! Example
+
+        ```python
+        sciflat.clear_caches()
+        ```
+    """
+    _CACHE.clear()
+    _MODELS.clear()
+    _BY_STRUCTURE.clear()
 
 
 def _with_aux(f):

@@ -5,16 +5,12 @@ small problems below compile a handful of times; the Lotka–Volterra fits share
 forward-mode solve.
 """
 
+import collections
 import contextlib
-import functools as ft
-import struct
 import time
 
 import diffrax
 import equinox as eqx
-import hypothesis
-import hypothesis.extra.numpy as hnp
-import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,7 +20,7 @@ import scipy.optimize
 import sciflat
 from helpers import Tied, float_dtypes_in_jaxpr
 from sciflat import _scipy_minimize, _scipy_problem as sp
-from sciflat._scipy_fn_key import function_key, identity_key
+from sciflat._scipy_fn_key import identity_key
 
 
 class Quad(eqx.Module):
@@ -209,13 +205,17 @@ def count_traces():
     seen.extend(e for e in _EVENTS[start:] if e == trace)
 
 
+def _sum_of_squares(m, t, y):
+    return jnp.sum(exp_residuals(m, t, y) ** 2)
+
+
 def test_second_fit_traces_nothing_for_either_fit():
     fits = [
         lambda y: sciflat.least_squares(
             exp_residuals, exp_model(), args=(T, y), progress=False
         ),
         lambda y: sciflat.minimize(
-            lambda m, t, y: jnp.sum(exp_residuals(m, t, y) ** 2),
+            _sum_of_squares,
             exp_model(),
             args=(T, y),
             progress=False,
@@ -224,7 +224,7 @@ def test_second_fit_traces_nothing_for_either_fit():
     y2 = Y * 2.0
     for fit in fits:
         first = fit(Y)
-        # New data of the same shape, a new model object, a new `lambda`: no trace.
+        # New data of the same shape, a new model object, the same loss: no trace.
         with count_traces() as traces:
             second = fit(y2)
         assert traces == []
@@ -239,31 +239,89 @@ def test_second_fit_traces_nothing_for_either_fit():
     assert traces
 
 
-def test_new_lambdas_share_a_compilation_and_changed_values_do_not():
-    def fit(closed_over):
-        return sciflat.minimize(
-            lambda m: jnp.sum((m.a - closed_over) ** 2) + m.b**2,
-            quad_model(),
-            progress=False,
-        )
-
-    target = np.asarray([1.0, 2.0, 3.0])
-    fit(target)
+def test_a_compilation_is_reused_for_the_same_loss_only():
+    """As under `jax.jit`: the same function object reuses its compilation, a new
+    `lambda` (whatever its code and closure) compiles again."""
+    loss = lambda m: jnp.sum((m.a - 2.0) ** 2) + m.b**2
+    sciflat.minimize(loss, quad_model(), progress=False)
     with count_traces() as traces:
-        res = fit(target)  # a new lambda, the same code and values: no trace
+        res = sciflat.minimize(loss, quad_model(), progress=False)
     assert traces == []
-    np.testing.assert_allclose(res.model.a, target, atol=1e-6)
-    target[0] = -5.0  # mutated in place: a new key, and the new value is used
+    np.testing.assert_allclose(res.model.a, 2.0, atol=1e-6)
+    target = np.asarray([1.0, 2.0, 3.0])
+    fit = lambda: sciflat.minimize(
+        lambda m: jnp.sum((m.a - target) ** 2) + m.b**2, quad_model(), progress=False
+    )
+    fit()
+    target[0] = -5.0  # mutated in place: a new lambda sees it, as under `jax.jit`
     with count_traces() as traces:
-        res = fit(target)
+        res = fit()
     assert traces
     np.testing.assert_allclose(res.model.a, [-5.0, 2.0, 3.0], atol=1e-6)
-    # 1.0, 1 and float32(1.0) trace differently (weak types, dtypes): none shared.
-    for other in (1.0, 1, np.float32(1.0), -0.0, 0.0, jnp.asarray([1.0, 2.0, 3.0])):
-        with count_traces() as traces:
-            res = fit(other)
-        assert traces, other
-        np.testing.assert_allclose(res.model.a, jnp.broadcast_to(other, 3), atol=1e-6)
+
+
+def _fit_a(loss):
+    return sciflat.minimize(loss, {"a": 0.0}, progress=False).model["a"]
+
+
+def test_a_changed_class_attribute_is_seen_by_a_new_lambda():
+    # Issue 22: keyed by value, the class was keyed by identity and its attribute
+    # never read, so the second fit silently returned the first compilation's answer.
+    class Config:
+        target = 1.0
+
+    run = lambda: _fit_a(lambda m: jnp.sum((m["a"] - Config.target) ** 2))
+    np.testing.assert_allclose(run(), 1.0, atol=1e-6)
+    Config.target = 5.0
+    np.testing.assert_allclose(run(), 5.0, atol=1e-6)
+    assert jax.jit(lambda: Config.target * 1.0)() == 5.0  # the reference
+
+
+def test_a_changed_closed_over_container_is_seen_by_a_new_lambda():
+    # Issue 22: a set and a deque were keyed by identity (as library objects), so a
+    # new lambda over the same, changed, container reused the first compilation.
+    targets, queue = {1.0}, collections.deque([1.0])
+    for target in ({1.0}, {1.0, 4.0}):
+        targets.clear(), targets.update(target)
+        queue.append(max(target))
+        a = _fit_a(lambda m: jnp.sum((m["a"] - max(targets)) ** 2))
+        np.testing.assert_allclose(a, max(target), atol=1e-6)
+        a = _fit_a(lambda m: jnp.sum((m["a"] - queue[-1]) ** 2))
+        np.testing.assert_allclose(a, max(target), atol=1e-6)
+
+
+def test_a_closed_over_generator_draws_anew_for_a_new_lambda():
+    rng, reference = np.random.default_rng(0), np.random.default_rng(0)
+    for _ in range(2):  # each trace draws the next number, as under `jax.jit`
+        a = _fit_a(lambda m: jnp.sum((m["a"] - rng.normal()) ** 2))
+        np.testing.assert_allclose(a, reference.normal(), atol=1e-6)
+
+
+def test_a_callback_writes_into_its_own_fits_list():
+    def run():
+        seen = []
+        loss = lambda m: (
+            jax.debug.callback(lambda a: seen.append(float(a)), m["a"])
+            or jnp.sum((m["a"] - 1.0) ** 2)
+        )
+        _fit_a(loss)
+        return seen
+
+    first = run()
+    second = run()
+    assert first and second  # each fit's evaluations in its own list
+
+
+def test_clear_caches_forgets_compilations():
+    loss = lambda m: jnp.sum((m["a"] - 3.0) ** 2)
+    _fit_a(loss)
+    with count_traces() as traces:
+        _fit_a(loss)
+    assert traces == []
+    sciflat.clear_caches()
+    with count_traces() as traces:
+        np.testing.assert_allclose(_fit_a(loss), 3.0, atol=1e-6)
+    assert traces
 
 
 def test_a_changed_global_is_seen_by_a_new_lambda():
@@ -321,48 +379,16 @@ def test_a_failed_mode_is_remembered(lv_data):
         )
 
 
-# Values a loss may close over, and when two of them must share a compilation: only
-# when they are the same type with the same bits (1, 1.0, True, -0.0, 0.0 differ).
-_VALUES = st.one_of(
-    st.floats(allow_nan=True, width=64),
-    st.integers(-3, 3),
-    st.booleans(),
-    hnp.arrays(st.sampled_from([np.float32, np.float64]), st.integers(0, 3)),
-)
-_CLOSED = st.one_of(_VALUES, st.tuples(_VALUES, _VALUES))
-
-
-def _bits(v):
-    if isinstance(v, tuple):
-        return (tuple, *map(_bits, v))
-    if isinstance(v, np.ndarray):
-        return (np.ndarray, v.dtype.str, v.shape, v.tobytes())
-    return (type(v), struct.pack("<d", v) if isinstance(v, float) else v)
-
-
-@hypothesis.settings(max_examples=200, deadline=None)
-@hypothesis.given(a=_CLOSED, b=_CLOSED)
-def test_function_key_is_equal_exactly_for_the_same_closed_over_values(a, b):
-    make = lambda value: lambda m: m + jnp.sum(jnp.asarray(value))
-    assert (function_key(make(a)) == function_key(make(b))) == (_bits(a) == _bits(b))
-    assert function_key(make(a)) == function_key(make(a))
-
-
-def test_function_key_falls_back_to_identity_for_what_may_change():
-    class Settings:  # a mutable object: its attributes may change between fits
-        scale = 1.0
-
-    settings = Settings()
-    f = lambda m: settings.scale * m
-    g = lambda m: settings.scale * m
-    assert function_key(f) == function_key(f) and function_key(f) != function_key(g)
-    # Partial application: by function, arguments and keywords.
-    part = lambda **kw: function_key(ft.partial(quad_loss, **kw))
-    assert part(c=C) == part(c=C) and part(c=1.0) != part(c=2.0)
+def test_identity_key_sees_through_sciflats_adapters_only():
     # sciflat's own adapters, made anew per fit, around the same loss: equal.
     wrap = lambda loss: sp.data_by_keyword(loss)
     assert identity_key(wrap(quad_loss)) == identity_key(wrap(quad_loss))
     assert identity_key(wrap(quad_loss)) != identity_key(wrap(tied_loss))
+    # Anyone else's closures, however alike: by identity, as `jax.jit` keys them.
+    make = lambda: jax.grad(quad_loss)
+    assert identity_key(make()) != identity_key(make())
+    f = make()
+    assert identity_key(f) == identity_key(f)
 
 
 def test_a_start_of_the_same_structure_is_flattened_once_with_its_own_values(
@@ -373,9 +399,7 @@ def test_a_start_of_the_same_structure_is_flattened_once_with_its_own_values(
     monkeypatch.setattr(
         sp, "destructure", lambda *a, **k: calls.append(1) or real(*a, **k)
     )
-    # Empty caches, whatever other tests fitted before.
-    monkeypatch.setattr(sp, "_BY_STRUCTURE", type(sp._BY_STRUCTURE)())
-    monkeypatch.setattr(sp, "_MODELS", type(sp._MODELS)())
+    sciflat.clear_caches()  # whatever other tests fitted before
     seen = _spy(monkeypatch, "minimize")
     loss = lambda m: jnp.sum((m["w"] - 1.0) ** 2) + jnp.sum(m["v"] ** 2)
     fit = lambda model: sciflat.minimize(loss, model, progress=False)
@@ -768,7 +792,6 @@ def test_numpy_data_is_put_on_the_device_once_per_fit(monkeypatch):
             kinds.extend(type(leaf) for leaf in leaves)
             return fn(x, leaves)
 
-        spy.out_info = fn.out_info
         return spy
 
     monkeypatch.setattr(sp.Programs, "get", get)
