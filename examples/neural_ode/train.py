@@ -237,7 +237,7 @@ def main(
         f"test error (relative L2, {n_test} held-out initial conditions): {test_error:.3e}"
     )
     print(f"training took {train_time:.1f} s")
-    plot = _plot(ys_test, pred[n_train:], history, out) if out else None
+    plot = _plot(ys_test, pred[n_train:], history, stages, out) if out else None
     if diverged:
         print("Training DIVERGED (non-finite loss, or no decrease).", file=sys.stderr)
     return dict(
@@ -252,7 +252,7 @@ def main(
     )
 
 
-def _plot(ys_test, pred, history, out):
+def _plot(ys_test, pred, history, stages, out):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -268,7 +268,27 @@ def _plot(ys_test, pred, history, out):
     )
     ax1.legend()
     ax2.semilogy(history)
-    ax2.set(xlabel="step", ylabel="training loss (MSE)", title="Loss")
+    # The loss is over the times of the current horizon: it jumps where that grows.
+    start = 0
+    for horizon, n_steps in stages:
+        ax2.axvline(start, c="grey", lw=0.8, ls=":")
+        ax2.annotate(
+            f"first {horizon:.0%} of the times",
+            (start, 1.0),
+            xycoords=("data", "axes fraction"),
+            xytext=(3, -3),
+            textcoords="offset points",
+            va="top",
+            rotation=90,
+            fontsize=8,
+            color="grey",
+        )
+        start += n_steps
+    ax2.set(
+        xlabel="step",
+        ylabel="training loss (MSE on the horizon's times)",
+        title="Loss (horizon grown in stages)",
+    )
     fig.tight_layout()
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, "neural_ode.png")
