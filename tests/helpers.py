@@ -10,14 +10,18 @@ from hypothesis import strategies as st
 
 
 def tree_allclose(a, b, rtol=1e-6, atol=1e-6) -> bool:
+    """Same structure, and every array leaf of the same shape, dtype and close values
+    (a float32 leaf is never "close" to a float64 one: the dtype rule is the point)."""
     la, ta = jax.tree.flatten(a)
     lb, tb = jax.tree.flatten(b)
     if ta != tb:
         return False
     for x, y in zip(la, lb, strict=True):
         if isinstance(x, jax.Array | np.ndarray):
-            if np.shape(x) != np.shape(y) or not np.allclose(
-                x, y, rtol=rtol, atol=atol
+            if (
+                np.shape(x) != np.shape(y)
+                or np.dtype(x.dtype) != np.dtype(getattr(y, "dtype", None))
+                or not np.allclose(x, y, rtol=rtol, atol=atol)
             ):
                 return False
         elif x != y:
