@@ -480,10 +480,10 @@ def per_call_seconds(calls: dict, rounds: int, number: int = 100) -> dict:
 
 def _sciflat_jitted(net, t):
     """The compiled value-and-gradient that sciflat calls (for the overhead split)."""
-    from sciflat import _scipy_minimize, _scipy_problem as sp
+    from sciflat import _scipy_minimize, _scipy_programs
 
     p, re = sciflat.destructure(net, dtype=jnp.float64)
-    programs = sp.Programs(_scipy_minimize._build, pinn_loss, re, (t,))
+    programs = _scipy_programs.Programs(_scipy_minimize._build, pinn_loss, re, (t,))
     return programs.get("value_and_grad", "reverse", np.asarray(p))
 
 

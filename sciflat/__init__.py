@@ -9,6 +9,7 @@ from ._flatten import Restructure as Restructure, destructure as destructure
 from ._io import load as load, save as save
 from ._report import plot_fit as plot_fit
 from ._result import FitResult as FitResult
+from ._scipy_programs import clear_caches as clear_caches
 from ._transforms import (
     Interval as Interval,
     Log as Log,
@@ -32,13 +33,11 @@ if typing.TYPE_CHECKING:
     )
     from ._scipy_least_squares import least_squares as least_squares
     from ._scipy_minimize import minimize as minimize
-    from ._scipy_problem import clear_caches as clear_caches
 
 _LAZY = {
     "fit": "._fit",
     "least_squares": "._scipy_least_squares",
     "minimize": "._scipy_minimize",
-    "clear_caches": "._scipy_problem",
     "multistart": "._multistart",
     "MultiStartResult": "._multistart",
 }

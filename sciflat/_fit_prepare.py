@@ -20,7 +20,7 @@ from ._fit_loop import END
 from ._fit_step import check_loss_output, make_step, reuses_value, strong
 from ._flatten import Restructure, destructure
 from ._floats import float_dtype, promote_floats
-from ._layout import names, nonfinite_paths
+from ._problem import check_args, check_start
 from ._sharding import place
 from ._transforms import unwrapping
 
@@ -60,13 +60,7 @@ def prepare(
     # {"b1": 1.0, "b2": jnp.asarray(0.1)}: b1 is fitted too, in the dtype of `p`.
     model = promote_floats(model, "fit", float_dtype(model, dtype))
     p, re = destructure(model, filter_spec, dtype=dtype)
-    if len(re) == 0:
-        raise ValueError(
-            "`model` has no trainable floating leaves, so there is nothing to fit. "
-            "Check `filter_spec` and that the parameters are floating arrays."
-        )
-    if bad := nonfinite_paths(p, re):
-        raise ValueError(f"`model` starts with NaN or infinity in {names(bad)}.")
+    check_start(p, re, "fit")
     dynamic_args, static_args = eqx.partition(tuple(args), eqx.is_array)
     opt_state = strong(optimizer.init(p), p.dtype)
     if checkpoint is not None:
@@ -129,11 +123,7 @@ def _validate(
         raise ValueError(f"`steps` must be >= 0, got {steps}.")
     if checkpoint_every < 1:
         raise ValueError(f"`checkpoint_every` must be >= 1, got {checkpoint_every}.")
-    if not isinstance(args, tuple | list):
-        raise TypeError(
-            "`args` must be a tuple of the further arguments of `loss`, e.g. "
-            f"`args=(x, y)` or `args=(x,)`; got {type(args).__name__}."
-        )
+    check_args(args, "fit")
     if batches is not None and not isinstance(batches, Iterable):
         raise TypeError(
             f"`batches` must be an iterable of batches, got {type(batches).__name__}."

@@ -11,10 +11,21 @@ import numpy as np
 import scipy.optimize
 from jaxtyping import Array, Float, PyTree
 
-from . import _scipy_problem as sp
 from ._floats import promote_floats
+from ._gradients import Mode, choose_modes
+from ._problem import check_args, check_float64, data_by_keyword
 from ._result import FitResult, Status
 from ._scipy_bounds import flat_bounds
+from ._scipy_host import (
+    BlasThreads,
+    NonFinite,
+    Tracker,
+    blas_threads_limit,
+    nonfinite_message,
+    run,
+)
+from ._scipy_programs import Programs
+from ._scipy_start import start as float64_start
 from ._transforms import for_values, unwrapping
 from ._uncertainty import from_jacobian
 
@@ -43,7 +54,7 @@ def _status(res) -> Status:
     return "max_steps" if res.status == 0 else "failed"
 
 
-@sp.data_by_keyword
+@data_by_keyword
 def least_squares(
     residuals: Callable[..., Float[Array, "..."]],
     model: _M,
@@ -51,12 +62,12 @@ def least_squares(
     args: tuple = (),
     method: str = "auto",
     bounds: Mapping | tuple | None = None,
-    mode: sp.Mode = "auto",
+    mode: Mode = "auto",
     x0: Float[Array, " n"] | None = None,
     filter_spec: PyTree = True,
     callback: Callable[[int, float, _M], Any] | None = None,
     progress: bool = True,
-    blas_threads: sp.BlasThreads = "auto",
+    blas_threads: BlasThreads = "auto",
     **kwargs: Any,
 ) -> FitResult[_M]:
     """Minimises `0.5 * sum(residuals(model, *args) ** 2)` with SciPy's `least_squares`.
@@ -108,15 +119,15 @@ def least_squares(
         raise ValueError("`method='lm'` does not take bounds; use 'trf' or 'dogbox'.")
     model = promote_floats(model, "least_squares")  # {"b1": 500.0}: b1 is fitted
     residuals = unwrapping(residuals)  # they see the values of `sciflat.Transform`s
-    start, re = sp.start(model, x0, filter_spec, "least_squares")
+    start, re = float64_start(model, x0, filter_spec, "least_squares")
     lb_ub = flat_bounds(bounds, re, start)
-    programs = sp.Programs(_build, residuals, re, sp.check_args(args, "least_squares"))
+    programs = Programs(_build, residuals, re, check_args(args, "least_squares"))
     leaves = programs.leaves
     res_fn = programs.get("residuals", "none", start)
     m = programs.out_info["residuals"].shape[0]
-    modes = sp.choose_modes(mode, len(re) <= m)
+    modes = choose_modes(mode, len(re) <= m)
     jac_fn, used = programs.first_working("jacobian", modes, start)
-    limit = sp.blas_threads_limit(blas_threads, len(re) * m)
+    limit = blas_threads_limit(blas_threads, len(re) * m)
     kwargs = _defaults(kwargs, len(re))
     if method == "auto":
         lm_fits = lb_ub is None and m >= len(re) and set(kwargs) <= _LM_OPTIONS
@@ -126,7 +137,7 @@ def least_squares(
         fallback = False
 
     def attempt(method):
-        tracker = sp.Tracker(re, callback, progress, f"least_squares ({method})")
+        tracker = Tracker(re, callback, progress, f"least_squares ({method})")
         solved = _solve(
             method, start, lb_ub, res_fn, jac_fn, leaves, re, tracker, limit, kwargs
         )
@@ -178,8 +189,8 @@ def _solve(method, start, lb_ub, res_fn, jac_fn, leaves, re, tracker, limit, kwa
         if not math.isfinite(cost) and not np.isfinite(out).all():
             jac = np.asarray(jac_fn(x, leaves))
             where = f"call {tracker.n_calls + 1} (iteration {len(tracker.history)})"
-            raise sp.NonFinite(
-                sp.nonfinite_message(
+            raise NonFinite(
+                nonfinite_message(
                     f"The residuals are non-finite ({int((~np.isfinite(out)).sum())} entries)",
                     where,
                     x,
@@ -196,8 +207,8 @@ def _solve(method, start, lb_ub, res_fn, jac_fn, leaves, re, tracker, limit, kwa
         out = ahead.get(x)
         if not np.isfinite(out).all():
             where = f"iteration {len(tracker.history) + 1}"
-            raise sp.NonFinite(
-                sp.nonfinite_message(
+            raise NonFinite(
+                nonfinite_message(
                     "The Jacobian is non-finite",
                     where,
                     x,
@@ -224,7 +235,7 @@ def _solve(method, start, lb_ub, res_fn, jac_fn, leaves, re, tracker, limit, kwa
                 **kwargs,
             )
 
-    res, status, message, x, value = sp.run(call, tracker, start)
+    res, status, message, x, value = run(call, tracker, start)
     if res is not None:
         status, value = _status(res), res.cost
         if status == "max_steps":
@@ -355,7 +366,7 @@ def _cost(residuals: np.ndarray) -> float:
 def _build(kind: str, residuals, re, rebuild, mode: str) -> Callable:
     def r(x, leaves):
         out = jnp.ravel(residuals(re(x), *rebuild(leaves)))
-        sp.check_float64(out, "The residuals")
+        check_float64(out, "The residuals")
         return out
 
     if kind == "residuals":

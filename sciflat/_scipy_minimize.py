@@ -9,10 +9,27 @@ import numpy as np
 import scipy.optimize
 from jaxtyping import Array, Float, PyTree, Scalar
 
-from . import _scipy_problem as sp
 from ._floats import promote_floats
+from ._gradients import (
+    FORWARD_MAX_PARAMS,
+    Mode,
+    choose_modes,
+    gradient,
+    value_and_grad_flat,
+)
+from ._problem import check_args, check_float64, data_by_keyword
 from ._result import FitResult, Status
 from ._scipy_bounds import flat_bounds
+from ._scipy_host import (
+    BlasThreads,
+    NonFinite,
+    Tracker,
+    blas_threads_limit,
+    nonfinite_message,
+    run,
+)
+from ._scipy_programs import Programs
+from ._scipy_start import start as float64_start
 from ._transforms import unwrapping
 
 
@@ -54,7 +71,7 @@ def _status(res) -> Status:
     return "failed"
 
 
-@sp.data_by_keyword
+@data_by_keyword
 def minimize(
     loss: Callable[..., Scalar],
     model: _M,
@@ -62,12 +79,12 @@ def minimize(
     args: tuple = (),
     method: str = "L-BFGS-B",
     bounds: Mapping | tuple | None = None,
-    mode: sp.Mode = "auto",
+    mode: Mode = "auto",
     x0: Float[Array, " n"] | None = None,
     filter_spec: PyTree = True,
     callback: Callable[[int, float, _M], Any] | None = None,
     progress: bool = True,
-    blas_threads: sp.BlasThreads = "auto",
+    blas_threads: BlasThreads = "auto",
     tol: float | None = None,
     options: dict | None = None,
     **kwargs: Any,
@@ -125,14 +142,14 @@ def minimize(
     if clash := [k for k in _OURS if k in kwargs]:
         raise TypeError(f"`minimize` computes {clash} itself; do not pass them.")
     name = _check_method(method, bounds)
-    args = sp.check_args(args, "minimize")
+    args = check_args(args, "minimize")
     model = promote_floats(model, "minimize")  # {"b1": 500.0}: b1 is fitted
     loss = unwrapping(loss)  # it sees the values of `sciflat.Transform`s
-    start, re = sp.start(model, x0, filter_spec, "minimize")
+    start, re = float64_start(model, x0, filter_spec, "minimize")
     scipy_bounds = flat_bounds(bounds, re, start)
-    programs = sp.Programs(_build, loss, re, args)
-    limit = sp.blas_threads_limit(blas_threads, len(re))
-    tracker = sp.Tracker(re, callback, progress, f"minimize ({method})")
+    programs = Programs(_build, loss, re, args)
+    limit = blas_threads_limit(blas_threads, len(re))
+    tracker = Tracker(re, callback, progress, f"minimize ({method})")
     fun, used, extra = _objective(programs, re, name, mode, start, tracker)
 
     def call():
@@ -149,7 +166,7 @@ def minimize(
                 **kwargs,
             )
 
-    res, status, message, x, value = sp.run(call, tracker, start)
+    res, status, message, x, value = run(call, tracker, start)
     n = len(tracker.history)
     if res is not None:
         status, value, n = _status(res), float(res.fun), int(res.get("nit", n))
@@ -179,27 +196,27 @@ def _build(kind: str, loss, re, rebuild, mode: str) -> Callable:
             raise ValueError(
                 f"`loss` must return a scalar, got shape {jnp.shape(out)}."
             )
-        sp.check_float64(out, "The loss")
+        check_float64(out, "The loss")
         return out
 
-    grad = lambda x, leaves: sp.gradient(lambda x: f(x, leaves), mode)(x)
+    grad = lambda x, leaves: gradient(lambda x: f(x, leaves), mode)(x)
     if kind == "value":
         return f
     if kind == "value_and_grad":
-        return lambda x, leaves: sp.value_and_grad_flat(lambda x: f(x, leaves), mode)(x)
+        return lambda x, leaves: value_and_grad_flat(lambda x: f(x, leaves), mode)(x)
     if kind == "hessp":
         return lambda x, v, leaves: jax.jvp(lambda x: grad(x, leaves), (x,), (v,))[1]
     return lambda x, leaves: jax.jacfwd(lambda x: grad(x, leaves))(x)
 
 
-def _objective(programs: sp.Programs, re, name: str, mode, x0, tracker: sp.Tracker):
+def _objective(programs: Programs, re, name: str, mode, x0, tracker: Tracker):
     """SciPy's `fun` (and `hess`/`hessp`), compiled once, and the gradient mode."""
     leaves = programs.leaves
     if name in _GRADIENT_FREE:
         value = programs.get("value", "none", x0)
         return _value_only(value, leaves, tracker, re), "none, gradient-free method", {}
 
-    modes = sp.choose_modes(mode, len(re) <= sp.FORWARD_MAX_PARAMS)
+    modes = choose_modes(mode, len(re) <= FORWARD_MAX_PARAMS)
     both, used = programs.first_working("value_and_grad", modes, x0)
 
     def fun(x):
@@ -212,7 +229,7 @@ def _objective(programs: sp.Programs, re, name: str, mode, x0, tracker: sp.Track
                 if not np.isfinite(value)
                 else "The gradient is non-finite"
             )
-            raise sp.NonFinite(sp.nonfinite_message(what, where, x, grad, re))
+            raise NonFinite(nonfinite_message(what, where, x, grad, re))
         tracker.seen(x, value)
         return value, grad
 
@@ -229,21 +246,19 @@ def _objective(programs: sp.Programs, re, name: str, mode, x0, tracker: sp.Track
     return fun, f"{used} mode", extra
 
 
-def _value_only(value, leaves, tracker: sp.Tracker, re):
+def _value_only(value, leaves, tracker: Tracker, re):
     def fun(x):
         v = np.asarray(value(x, leaves))
         if not np.isfinite(v):
             where = f"call {tracker.n_calls + 1} (iteration {len(tracker.history)})"
-            raise sp.NonFinite(
-                sp.nonfinite_message(f"The loss is {v}", where, x, None, re)
-            )
+            raise NonFinite(nonfinite_message(f"The loss is {v}", where, x, None, re))
         tracker.seen(x, float(v))
         return v
 
     return fun
 
 
-def _scipy_callback(fun, tracker: sp.Tracker):
+def _scipy_callback(fun, tracker: Tracker):
     # One parameter named `intermediate_result`: SciPy then passes an OptimizeResult
     # (with `fun`) for every method that can; TNC, COBYLA and COBYQA pass `x`.
     def callback(intermediate_result):

@@ -282,7 +282,7 @@ CASES = {
     "fit/NaN in model": (
         lambda out: fit(out, model={"b": jnp.zeros(1), "w": jnp.array([1.0, jnp.nan])}),
         ValueError,
-        r"starts with NaN or infinity in `\['w'\]`",
+        r"`fit`: the starting point is not finite in `\['w'\]`",
     ),
     "fit/empty model": (
         lambda out: fit(out, model=()),

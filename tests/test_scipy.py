@@ -19,7 +19,7 @@ import scipy.optimize
 
 import sciflat
 from helpers import Tied, float_dtypes_in_jaxpr
-from sciflat import _scipy_minimize, _scipy_problem as sp
+from sciflat import _problem, _scipy_minimize, _scipy_programs, _scipy_start
 from sciflat._scipy_fn_key import identity_key
 
 
@@ -165,9 +165,9 @@ def test_hessp_is_forward_over_reverse_hessian_vector_product(monkeypatch):
 def test_gradient_jaxpr_is_float64_only():
     lin = eqx.nn.Linear(1, 1, key=jax.random.key(0))
     model = TiedNet(Tied(lin, lin), jnp.asarray(0.7, jnp.float32))
-    x0, re = _scipy_minimize.sp.start(model, None, True, "minimize")
+    x0, re = _scipy_start.start(model, None, True, "minimize")
     data = [jnp.ones((4, 1)), jnp.zeros((4, 1))]
-    _, rebuild = _scipy_minimize.sp.split_args(tuple(data))
+    _, rebuild = _problem.split_args(tuple(data))
     for mode in ("forward", "reverse"):
         fn = _scipy_minimize._build("value_and_grad", tied_loss, re, rebuild, mode)
         assert float_dtypes_in_jaxpr(jax.make_jaxpr(fn)(x0, data)) == {"float64"}
@@ -381,7 +381,7 @@ def test_a_failed_mode_is_remembered(lv_data):
 
 def test_identity_key_sees_through_sciflats_adapters_only():
     # sciflat's own adapters, made anew per fit, around the same loss: equal.
-    wrap = lambda loss: sp.data_by_keyword(loss)
+    wrap = lambda loss: _problem.data_by_keyword(loss)
     assert identity_key(wrap(quad_loss)) == identity_key(wrap(quad_loss))
     assert identity_key(wrap(quad_loss)) != identity_key(wrap(tied_loss))
     # Anyone else's closures, however alike: by identity, as `jax.jit` keys them.
@@ -395,9 +395,9 @@ def test_a_start_of_the_same_structure_is_flattened_once_with_its_own_values(
     monkeypatch,
 ):
     calls = []
-    real = sp.destructure
+    real = _scipy_start.destructure
     monkeypatch.setattr(
-        sp, "destructure", lambda *a, **k: calls.append(1) or real(*a, **k)
+        _scipy_start, "destructure", lambda *a, **k: calls.append(1) or real(*a, **k)
     )
     sciflat.clear_caches()  # whatever other tests fitted before
     seen = _spy(monkeypatch, "minimize")
@@ -703,7 +703,7 @@ def test_jacobian_started_ahead_changes_nothing_but_when_it_runs(monkeypatch, me
     from sciflat import _scipy_least_squares as ls
 
     counts = []
-    real = sp.Programs.first_working
+    real = _scipy_programs.Programs.first_working
 
     def counting(self, *a, **k):
         fn, mode = real(self, *a, **k)
@@ -714,7 +714,7 @@ def test_jacobian_started_ahead_changes_nothing_but_when_it_runs(monkeypatch, me
 
         return jac, mode
 
-    monkeypatch.setattr(sp.Programs, "first_working", counting)
+    monkeypatch.setattr(_scipy_programs.Programs, "first_working", counting)
     far = {"amp": jnp.asarray(100.0), "rate": jnp.asarray(10.0)}  # steps get rejected
     fits = []
     for limit in (0.0, np.inf):  # never, always ahead
@@ -783,7 +783,7 @@ def test_jacobian_ahead_is_used_at_its_own_point_only(monkeypatch, ready):
 
 def test_numpy_data_is_put_on_the_device_once_per_fit(monkeypatch):
     kinds = []
-    real_get = sp.Programs.get
+    real_get = _scipy_programs.Programs.get
 
     def get(self, *a, **k):
         fn = real_get(self, *a, **k)
@@ -794,7 +794,7 @@ def test_numpy_data_is_put_on_the_device_once_per_fit(monkeypatch):
 
         return spy
 
-    monkeypatch.setattr(sp.Programs, "get", get)
+    monkeypatch.setattr(_scipy_programs.Programs, "get", get)
     data = (np.asarray(T), np.asarray(Y))
     res = sciflat.least_squares(exp_residuals, exp_model(), args=data, progress=False)
     assert res.status == "converged", res.message

@@ -1,0 +1,104 @@
+"""The jitted functions of the SciPy fits, reused across fits as `jax.jit` reuses them."""
+
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import jax
+
+from . import _scipy_start
+from ._flatten import Restructure
+from ._problem import split_args
+from ._scipy_fn_key import identity_key
+
+
+# One `jax.jit` per (kind, mode, loss, `re`, static part of `args`): the loss by
+# identity, as `jax.jit` keys it, and `re` and the static part by structure (`re`
+# compares its frozen arrays by identity). Shapes, dtypes, placement and JAX's
+# configuration are keyed by `jax.jit` itself, which retraces when any of them change.
+# So a fit reuses a compilation exactly where `jax.jit` of the same function would.
+_CACHE: OrderedDict[Hashable, Any] = OrderedDict()
+CACHE_SIZE = 64
+
+
+class _Failed:
+    """A gradient mode that failed to trace while another one worked."""
+
+
+def _signature(example) -> Hashable:
+    def one(x):
+        aval = jax.typeof(x)
+        return (aval.shape, aval.dtype, aval.weak_type, getattr(x, "sharding", None))
+
+    return tuple(one(x) for x in jax.tree.leaves(example))
+
+
+class Programs:
+    """The jitted functions of one fit, looked up in (or added to) the cache."""
+
+    def __init__(self, build: Callable, loss: Callable, re: Restructure, args: tuple):
+        self.leaves, rebuild = split_args(args)
+        self._parts = (build, loss, re, rebuild)
+        self._key = (build, identity_key(loss), re, rebuild)
+        self.out_info: dict[str, Any] = {}  # of each kind got, as traced
+
+    def get(self, kind: str, mode: str, *example) -> Any:
+        """The jitted `kind` function, traced at `example` (its arguments but the
+        data), so that an error in the trace is raised here."""
+        key = (kind, mode, *self._key)
+        fn = _CACHE.get(key)
+        if fn is None:
+            build, loss, re, rebuild = self._parts
+            fn = jax.jit(build(kind, loss, re, rebuild, mode))
+        traced = fn.trace(*example, self.leaves)  # cached by `jax.jit` for the call
+        _remember(key, fn)
+        self.out_info[kind] = traced.out_info
+        return fn
+
+    def first_working(self, kind: str, modes: list[str], *example) -> tuple[Any, str]:
+        """Trace with the preferred mode; on a trace-time error (e.g. forward mode
+        through `RecursiveCheckpointAdjoint`, reverse mode through `ForwardMode`) fall
+        back to the other one. A mode that failed is remembered (not traced again)
+        once another one worked. Returns (jitted function, mode used)."""
+        where = _signature((*example, self.leaves))
+        failed, errors = [], []
+        for i, mode in enumerate(modes):
+            failure = ("failed", kind, mode, where, *self._key)
+            if failure in _CACHE and i < len(modes) - 1:
+                continue  # the last mode is traced again, to raise its own error
+            try:
+                fn = self.get(kind, mode, *example)
+            except (TypeError, ValueError) as e:
+                failed.append(failure)
+                errors.append(e)
+                continue
+            for key in failed:
+                _remember(key, _Failed())
+            return fn, mode
+        raise errors[-1]
+
+
+def _remember(key, value) -> None:
+    _CACHE[key] = value
+    _CACHE.move_to_end(key)
+    while len(_CACHE) > CACHE_SIZE:
+        _CACHE.popitem(last=False)
+
+
+def clear_caches() -> None:
+    """Forget every compiled function and flattened start model sciflat keeps.
+
+    sciflat keeps the jitted functions of recent SciPy fits (reused by a later fit of
+    the same loss object, `Restructure` and data structure, exactly where `jax.jit`
+    would reuse them) and the `Restructure` of recent start models. Call this to free
+    their memory, or to time a first fit again; nothing else changes, since a hit
+    never returns a stale result. (`jax.clear_caches()` clears JAX's own.)
+
+    !!! Example
+
+        ```python
+        sciflat.clear_caches()
+        ```
+    """
+    _CACHE.clear()
+    _scipy_start.clear()
