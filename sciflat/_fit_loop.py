@@ -6,19 +6,16 @@ import os
 import signal
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
 
 from . import _fit_checkpoint as ckpt
+from ._fit_prepare import Prepared
 from ._layout import names
 from ._progress import progress_bar
 from ._result import Status
-
-
-if TYPE_CHECKING:
-    from ._fit_prepare import Prepared
 
 
 _T = TypeVar("_T")
@@ -44,9 +41,6 @@ class Interrupts:
     def __exit__(self, *exc):
         if self._old is not None:
             signal.signal(signal.SIGINT, self._old)
-
-
-END = object()
 
 
 def dispatch(step, state, dynamic_args, feed, n_left, interrupts):
@@ -87,7 +81,7 @@ class Outcome:
 
 
 def run(
-    prep: "Prepared", *, steps, progress, checkpoint, checkpoint_every, callback
+    prep: Prepared, *, steps, progress, checkpoint, checkpoint_every, callback
 ) -> Outcome:
     carry = prep.carry
     status: Status = "max_steps"
@@ -149,7 +143,7 @@ def deleted(state) -> bool:
     return any(x.is_deleted() for x in leaves if isinstance(x, jax.Array))
 
 
-def _nonfinite_message(step: int, value: float, flags, prep: "Prepared") -> str:
+def _nonfinite_message(step: int, value: float, flags, prep: Prepared) -> str:
     bad_p, bad_grad = (np.asarray(f) for f in flags)
     slots = prep.re.layout().slots
     name = lambda bad: names(x.path for x, b in zip(slots, bad, strict=True) if b)

@@ -16,13 +16,15 @@ import numpy as np
 import optax
 
 from . import _fit_checkpoint as ckpt
-from ._fit_loop import END
 from ._fit_step import check_loss_output, make_step, reuses_value, strong
 from ._flatten import Restructure, destructure
 from ._floats import float_dtype, promote_floats
 from ._problem import check_args, check_start
 from ._sharding import place
 from ._transforms import unwrapping
+
+
+END = object()  # what `next` gives for an exhausted iterator of batches
 
 
 @dataclasses.dataclass
