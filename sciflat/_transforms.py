@@ -197,11 +197,14 @@ def constrained(re: Restructure, x: Float[Array, " n"]) -> Float[Array, " n"]:
     positions = re(jnp.arange(len(re), dtype=x.dtype))  # each leaf holds its indices
     trainable = {e.path for e in re.layout() if e.kind == TRAINABLE}
     nodes = jax.tree_util.tree_flatten_with_path(positions, is_leaf=_is_transform)[0]
+    out = x
     for path, node in nodes:
         if _is_transform(node) and jax.tree_util.keystr(path) + ".raw" in trainable:
             index = np.asarray(node.raw).astype(int).ravel()
-            x = x.at[index].set(node.forward(x[index]))
-    return x
+            # From `x`, not from `out`: a tied node is met once per path, and its
+            # entries are mapped once (not softplus of softplus).
+            out = out.at[index].set(node.forward(x[index]))
+    return out
 
 
 def delta_method(

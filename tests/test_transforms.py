@@ -108,3 +108,38 @@ def test_frozen_transform_is_left_alone():
     assert res.stderr["k"] is None and len(res.p) == 1
     assert float(sciflat.unwrap(res.model)["k"]) == pytest.approx(0.7)
     assert jax.tree.structure(res.model) == jax.tree.structure(model)
+
+
+def tied_decay(m, x, y):
+    return m["a"] * jnp.exp(-m["k"] * x) + 0.2 * m["b"] - y
+
+
+def test_a_tied_transform_is_constrained_once_in_report_and_standard_errors():
+    # One `Positive` node used for "a" and "b": the reference is the same fit with
+    # one plain parameter in both places. Softplus was applied once per path.
+    pos = sciflat.Positive(1.0)
+    tied = {"a": pos, "b": pos, "k": sciflat.Positive(1.0)}
+    untied = lambda m, x, y: tied_decay({"a": m["a"], "b": m["a"], "k": m["k"]}, x, y)
+    res = lsq(tied_decay, tied, (X, Y))
+    ref = lsq(untied, {"a": 1.0, "k": 1.0}, (X, Y))
+    values = sciflat.unwrap(res.model)
+    assert float(values["a"]) == pytest.approx(float(ref.model["a"]), rel=1e-7)
+    for name, ref_name in (("a", "a"), ("b", "a"), ("k", "k")):
+        assert float(res.stderr[name]) == pytest.approx(
+            float(ref.stderr[ref_name]), rel=1e-5
+        )
+    assert f"a:  {float(values['a']): .8g} +/- " in str(res)
+    # The Hessian route: minimize + hessian_uncertainty, tied and transformed against
+    # plain (equal at the minimum, where the gradient term of the chain rule is 0).
+    sse_tied = lambda m, x, y: jnp.sum(tied_decay(m, x, y) ** 2)
+    sse_plain = lambda m, x, y: jnp.sum(untied(m, x, y) ** 2)
+    opts = dict(options=dict(gtol=1e-12), progress=False)
+    h_tied = sciflat.minimize(sse_tied, tied, args=(X, Y), **opts)
+    h_ref = sciflat.minimize(sse_plain, {"a": 1.0, "k": 1.0}, args=(X, Y), **opts)
+    kw = dict(args=(X, Y), scale="sse", n_data=len(X))
+    h_tied = sciflat.hessian_uncertainty(h_tied, sse_tied, **kw)
+    h_ref = sciflat.hessian_uncertainty(h_ref, sse_plain, **kw)
+    for name, ref_name in (("a", "a"), ("b", "a"), ("k", "k")):
+        assert float(h_tied.stderr[name]) == pytest.approx(
+            float(h_ref.stderr[ref_name]), rel=1e-4
+        )
