@@ -205,7 +205,9 @@ def hessian_uncertainty(
     - `result`: what `minimize` or `fit` returned (it carries `re`). The Hessian is
         computed in float64, whatever `p.dtype` the fit ran in (JAX's 64-bit mode must
         be on).
-    - `loss`, `args`: the loss the fit minimised and its data.
+    - `loss`, `args`: the loss the fit minimised and its data (or, for a
+        `least_squares` result, a loss of its residuals, e.g. their Σr² with
+        `scale="sse"`): `scale` reads the value of this loss at `result.p`.
     - `scale`: `"nll"`, `"sse"` or `"mse"`, as above.
     - `n_data`: the number of residuals (for `"sse"` and `"mse"`).
 
@@ -229,11 +231,15 @@ def hessian_uncertainty(
     x = jnp.asarray(result.p, jnp.float64)
     from ._transforms import for_values, unwrap
 
-    hess = jax.jit(jax.hessian(lambda x: loss(unwrap(re(x)), *args)))(x)
-    unc = from_hessian(np.asarray(hess), result.loss, re, scale, n_data)
+    f = lambda x: loss(unwrap(re(x)), *args)
+    # The scale reads the value of *this* loss, not `result.loss`: that of a
+    # `least_squares` result is SciPy's cost, ½Σr², not Σr² (a factor √2 in stderr).
+    value, hess = jax.jit(lambda x: (f(x), jax.hessian(f)(x)))(x)
+    value = float(value)
+    unc = from_hessian(np.asarray(hess), value, re, scale, n_data)
     unc = for_values(unc, re, x, result.model)
     if scale == "nll":
         return dataclasses.replace(result, uncertainty=unc)
     assert n_data is not None  # from_hessian checked
-    chisqr = result.loss if scale == "sse" else result.loss * n_data
+    chisqr = value if scale == "sse" else value * n_data
     return dataclasses.replace(result, uncertainty=unc, chisqr=chisqr, n_data=n_data)

@@ -163,6 +163,22 @@ def test_minimize_covariance_from_the_hessian(line_data, scale):
         assert res.chisqr == pytest.approx(rss, rel=1e-6)
 
 
+@pytest.mark.parametrize("scale", ["sse", "mse"])
+def test_hessian_uncertainty_of_a_least_squares_result_is_its_jacobian_one(
+    line_data, scale
+):
+    # A `least_squares` result's `loss` is SciPy's cost, ½Σr²: read as Σr² it gave
+    # standard errors √2 too small. The reference: the Jacobian covariance of the same
+    # result (equal for a linear model, whose Hessian is exactly 2 JᵀJ).
+    x, y = line_data
+    res = lsq(line, {"a": 0.0, "b": 0.0}, (x, y))
+    reduce = jnp.sum if scale == "sse" else jnp.mean
+    loss = lambda m, x, y: reduce(line(m, x, y) ** 2)
+    got = sciflat.hessian_uncertainty(res, loss, args=(x, y), scale=scale, n_data=20)
+    np.testing.assert_allclose(got.covariance, res.covariance, rtol=1e-8)
+    assert got.chisqr == pytest.approx(res.chisqr, rel=1e-10)
+
+
 def test_covariance_of_an_optax_fit_from_the_hessian(line_data, x64_off):
     """`sciflat.fit` results carry `re` too: the covariance of a float32 Optax fit,
     computed in float64 (with 64-bit mode on), matches the closed form."""
