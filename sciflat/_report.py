@@ -24,6 +24,13 @@ def _number(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.6g}"
 
 
+def _redchi(result: "FitResult[Any]") -> str:
+    if result.redchi is None and result.n_data is not None:
+        m, n = result.n_data, len(result.p)
+        return f"undefined ({m} residuals, {n} parameters: no degree of freedom left)"
+    return _number(result.redchi)
+
+
 def report(result: "FitResult[Any]", min_correlation: float) -> str:
     lines = ["[[Fit Statistics]]"]
     stats = [
@@ -40,7 +47,7 @@ def report(result: "FitResult[Any]", min_correlation: float) -> str:
     if result.chisqr is not None:
         stats += [
             ("chi-square", _number(result.chisqr)),
-            ("reduced chi-square", _number(result.redchi)),
+            ("reduced chi-square", _redchi(result)),
             ("Akaike info crit", _number(result.aic)),
             ("Bayesian info crit", _number(result.bic)),
         ]

@@ -97,9 +97,13 @@ class FitResult(Generic[_M]):
 
     @property
     def redchi(self) -> float | None:
-        """χ² / (m - n), the reduced χ² (least squares only)."""
+        """χ² / (m - n), the reduced χ² (least squares only; None where m <= n:
+        undefined without more residuals than parameters)."""
         dof = self._dof()
-        return None if self.chisqr is None or not dof else self.chisqr / dof
+        # Undefined (None) without more residuals than parameters, as for m = n.
+        if self.chisqr is None or dof is None or dof <= 0:
+            return None
+        return self.chisqr / dof
 
     @property
     def aic(self) -> float | None:

@@ -97,8 +97,12 @@ def _inverse(
     d = np.where(d > 0, d, 1.0)
     scaled = a / d if squared else a / np.outer(d, d)
     if squared:
-        _, s, vt = np.linalg.svd(scaled, full_matrices=False)
-        values, vectors = s**2, vt.T
+        # Every direction of `p`: with fewer residuals than parameters (m < n) the
+        # thin SVD has m of the n, and the rest (undetermined) would pass unseen.
+        _, s, vt = np.linalg.svd(scaled, full_matrices=scaled.shape[0] < len(d))
+        values = np.zeros(len(d))
+        values[: len(s)] = s**2
+        vectors = vt.T
     else:
         values, vectors = np.linalg.eigh((scaled + scaled.T) / 2)
     top = np.max(np.abs(values), initial=0.0)

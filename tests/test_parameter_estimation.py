@@ -218,6 +218,45 @@ def test_unidentifiable_direction_is_named_and_the_rest_is_exact(line_data):
     assert "not determined by the data: 1 a -1 c" in str(res)
 
 
+def test_fewer_residuals_than_parameters_undetermined_are_nan_the_rest_exact():
+    # 3 residuals, 4 parameters, only `a` in them: b, c, d are undetermined (NaN, and
+    # named), a's error is the closed form, s² = Σr² / (m - rank) = Σr² / 2: the thin
+    # SVD showed 3 of the 4 directions (d ± 0, a √2 too large).
+    y = np.array([1.0, 2.0, 4.0])
+    res = lsq(
+        lambda m, y: m["a"] - y + 0.0 * (m["b"] + m["c"] + m["d"]),
+        {"a": 0.0, "b": 1.0, "c": 2.0, "d": 3.0},
+        (jnp.asarray(y),),
+    )
+    # The reference by hand: J = [1, 0, 0, 0] per residual, its pseudo-inverse.
+    jac = np.tile([1.0, 0.0, 0.0, 0.0], (3, 1))
+    rank = np.linalg.matrix_rank(jac)
+    s2 = np.sum((y - y.mean()) ** 2) / (len(y) - rank)
+    want = np.sqrt(s2 * np.linalg.pinv(jac.T @ jac)[0, 0])
+    assert want == pytest.approx(np.sqrt(np.var(y, ddof=1) / 3))  # the closed form
+    assert float(res.model["a"]) == pytest.approx(y.mean(), rel=1e-7)  # trf (m < n)
+    assert float(res.stderr["a"]) == pytest.approx(want, rel=1e-8)
+    for name in ("b", "c", "d"):
+        assert np.isnan(res.stderr[name]), name
+    assert len(res.uncertainty.unidentifiable) == 3
+    assert res.redchi is None  # undefined, not Σr² / (3 - 4) < 0
+
+
+def test_reduced_chi_square_is_undefined_without_more_residuals_than_parameters():
+    # 5 parameters, 3 residuals: Σr² / (m - n) was -2.33, printed in the report.
+    y = jnp.array([1.0, 2.0, 4.0])
+    res = lsq(
+        lambda m, y: jnp.stack([m["a"], m["a"] + m["b"], m["c"] * 0 + 3]) - y,
+        {"a": 0.0, "b": 0.0, "c": 1.0, "d": 1.0, "e": 1.0},
+        (y,),
+    )
+    assert res.chisqr == pytest.approx(2.0 * res.loss) and res.chisqr > 0
+    assert res.redchi is None
+    text = str(res)
+    assert "reduced chi-square:  undefined (3 residuals, 5 parameters" in text
+    assert "-2.33" not in text
+
+
 def test_tied_parameters_count_once_and_frozen_have_none(line_data):
     x, y = line_data
     slope = jnp.asarray(1.0)
