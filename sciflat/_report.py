@@ -69,7 +69,7 @@ def report(result: "FitResult[Any]", min_correlation: float) -> str:
         lines.append(text)
     if unc is None:
         return "\n".join(lines)
-    lines.append(f"    (covariance: {unc.scale})")
+    lines.append(f"    (covariance: {pretty(unc.scale)})")
     for direction in unc.unidentifiable:
         lines.append(f"    not determined by the data: {pretty(direction)}")
     corr = unc.correlation

@@ -41,7 +41,8 @@ class Uncertainty:
     **Fields:**
 
     - `covariance`: `(n, n)` NumPy array; rows and columns of parameters in an
-        unidentifiable direction are NaN.
+        unidentifiable direction are NaN, and all of it where the Jacobian (or
+        Hessian) at `p` is non-finite (`scale` then says where).
     - `re`: the [`sciflat.Restructure`][] of `p`; `names` gives one name per entry
         of `p` (`"['b1']"`, `".weight[0, 1]"`), a tied array once, under its first path.
     - `scale`: a sentence saying how the covariance was scaled.
@@ -128,10 +129,34 @@ def _inverse(
     return cov, tuple(dropped)
 
 
+def undefined(re: Restructure, what: str, matrix: np.ndarray) -> Uncertainty | None:
+    """A NaN covariance saying why, when `matrix` (the Jacobian or Hessian at `p`) is
+    not finite: the fit's outcome stands, its standard errors are undefined."""
+    bad = ~np.isfinite(matrix)
+    if not bad.any():
+        return None
+    names = entry_names(re)
+    columns = [names[j] for j in np.flatnonzero(bad.any(0))]
+    where = ", ".join(columns[:8]) + (", ..." if len(columns) > 8 else "")
+    rows = np.flatnonzero(bad.any(1))
+    text = (
+        f"undefined: the {what} at `p` is non-finite ({int(bad.sum())} entries, in the "
+        f"columns of {where}"
+    )
+    if what == "Jacobian":
+        shown = ", ".join(map(str, rows[:8])) + (", ..." if len(rows) > 8 else "")
+        text += f"; residuals {shown}"
+    text += "), so the standard errors cannot be computed"
+    n = len(re)
+    return Uncertainty(np.full((n, n), np.nan), re, text)
+
+
 def from_jacobian(jac, cost: float, re: Restructure) -> Uncertainty:
     """cov = s² (JᵀJ)⁻¹, s² = 2 cost / (m - n): the least-squares covariance."""
     jac = np.asarray(jac, np.float64)
     m, n = jac.shape
+    if (nan := undefined(re, "Jacobian", jac)) is not None:
+        return nan
     inner, dropped = _inverse(jac, re, squared=True)
     # An undetermined direction is no degree of freedom used by the fit.
     rank = n - len(dropped)
@@ -152,6 +177,8 @@ def from_hessian(
     """The covariance from the Hessian of the loss at its minimum, scaled by `scale`."""
     hess = np.asarray(hess, np.float64)
     n = len(re)
+    if (nan := undefined(re, "Hessian", hess)) is not None:
+        return nan
     inner, dropped = _inverse(hess, re, squared=False)
     if scale == "nll":
         return Uncertainty(

@@ -257,6 +257,32 @@ def test_reduced_chi_square_is_undefined_without_more_residuals_than_parameters(
     assert "-2.33" not in text
 
 
+@pytest.mark.parametrize("case", ["sqrt", "logistic"])
+def test_a_fit_whose_standard_errors_cannot_be_computed_is_returned(case):
+    # A non-finite Jacobian at the final point made NumPy's SVD raise ("SVD did not
+    # converge"): the fit was lost. Now its outcome comes back, the standard errors
+    # NaN and the report saying why. The reference: the cost at `p`, by NumPy.
+    if case == "sqrt":  # d/da sqrt(a t) is 0/0 at t = 0
+        t = np.linspace(0, 3, 10)
+        y = np.sqrt(2 * t)
+        f = lambda m, t, y: jnp.sqrt(m["a"] * t) - y
+        model = {"a": 1.0}
+    else:  # exp(-k (t - t0)) overflows far from t0: inf * 0 in the Jacobian
+        t = np.linspace(0.0, 19.0, 20)
+        y = 10 / (1 + np.exp(-0.8 * (t - 9.0)))
+        f = lambda m, t, y: m["a"] / (1 + jnp.exp(-m["k"] * (t - m["t0"]))) - y
+        model = {"a": 968.4, "k": 802.0, "t0": 18.55}
+    res = lsq(f, model, (jnp.asarray(t), jnp.asarray(y)))
+    r = np.asarray(f(res.model, t, y))
+    assert np.isfinite(r).all()
+    assert res.loss == pytest.approx(0.5 * np.sum(r**2), rel=1e-12)
+    assert np.isnan(res.covariance).all()
+    for name in model:
+        assert np.isnan(res.stderr[name])
+    assert "Jacobian at `p` is non-finite" in res.uncertainty.scale
+    assert "so the standard errors cannot be computed" in str(res)
+
+
 def test_tied_parameters_count_once_and_frozen_have_none(line_data):
     x, y = line_data
     slope = jnp.asarray(1.0)
