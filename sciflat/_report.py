@@ -6,8 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._transforms import constrained
-from ._uncertainty import entry_names
+from ._transforms import constrained, value_names
 
 
 if TYPE_CHECKING:
@@ -56,7 +55,7 @@ def report(result: "FitResult[Any]", min_correlation: float) -> str:
     unc, re = result.uncertainty, result.re
     if re is None:
         return "\n".join(lines)
-    names = [pretty(n).removesuffix(".raw") for n in entry_names(re)]
+    names = [pretty(n) for n in value_names(re)]
     values = np.asarray(constrained(re, result.p), np.float64)
     lines.append("[[Variables]]")
     width = max(len(n) for n in names)

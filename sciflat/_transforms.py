@@ -21,7 +21,7 @@ from jaxtyping import Array, ArrayLike, Float
 
 from ._flatten import Restructure
 from ._layout import TRAINABLE
-from ._uncertainty import Uncertainty
+from ._uncertainty import Uncertainty, entry_names
 
 
 _M = TypeVar("_M")
@@ -189,6 +189,19 @@ def unwrapping(loss: Callable[..., Any]) -> Callable[..., Any]:
 def has_transforms(model: Any) -> bool:
     leaves = jax.tree.leaves(model, is_leaf=_is_transform)
     return any(_is_transform(x) for x in leaves)
+
+
+def value_names(re: Restructure) -> tuple[str, ...]:
+    """One name per entry of `p` for its constrained value: a transform's `raw` path
+    named by the transform's own (`['a'][0]`, not `['a'].raw[0]`)."""
+    model = re(jnp.zeros(len(re), re.dtype))
+    nodes = jax.tree_util.tree_flatten_with_path(model, is_leaf=_is_transform)[0]
+    rename = {
+        jax.tree_util.keystr(path) + ".raw": jax.tree_util.keystr(path)
+        for path, node in nodes
+        if _is_transform(node)
+    }
+    return entry_names(re, rename)
 
 
 def constrained(re: Restructure, x: Float[Array, " n"]) -> Float[Array, " n"]:

@@ -73,18 +73,20 @@ class Uncertainty:
             return self.covariance / np.outer(s, s)
 
 
-def entry_names(re: Restructure) -> tuple[str, ...]:
-    """A name for every entry of `p`: the leaf's path, with the index for arrays."""
+def entry_names(re: Restructure, rename: Any = None) -> tuple[str, ...]:
+    """A name for every entry of `p`: the leaf's path, with the index for arrays
+    (each path first mapped by `rename`, a dict, where it has one)."""
     names = []
     for entry in re.layout().slots:
         shape = entry.shape
+        path = entry.path if rename is None else rename.get(entry.path, entry.path)
         parts = ("",) if entry.size == int(np.prod(shape)) else (".real", ".imag")
         for part in parts:
             if shape == ():
-                names.append(entry.path + part)
+                names.append(path + part)
                 continue
             for index in np.ndindex(*shape):
-                names.append(f"{entry.path}{part}[{', '.join(map(str, index))}]")
+                names.append(f"{path}{part}[{', '.join(map(str, index))}]")
     return tuple(names)
 
 

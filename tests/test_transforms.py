@@ -143,3 +143,18 @@ def test_a_tied_transform_is_constrained_once_in_report_and_standard_errors():
         assert float(h_tied.stderr[name]) == pytest.approx(
             float(h_ref.stderr[ref_name]), rel=1e-4
         )
+
+
+def test_a_vector_transform_is_labelled_by_its_own_path_in_the_report():
+    # `a.raw[0]` was printed beside the constrained value; the reference is the same
+    # fit with a plain array, whose report reads `a[0]`, `a[1]`.
+    f = lambda m, x, y: m["a"][0] * jnp.exp(-m["a"][1] * x) - y
+    res = lsq(f, {"a": sciflat.Positive(np.array([1.0, 1.0]))}, (X, Y))
+    ref = lsq(f, {"a": jnp.array([1.0, 1.0])}, (X, Y))
+    values = np.asarray(sciflat.unwrap(res.model)["a"])
+    np.testing.assert_allclose(values, ref.model["a"], rtol=1e-7)
+    text = str(res)
+    assert ".raw" not in text
+    for i in range(2):
+        assert f"a[{i}]:  {values[i]: .8g} +/- " in text
+        assert f"a[{i}]:" in str(ref)
