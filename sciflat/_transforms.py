@@ -49,14 +49,19 @@ class Transform(eqx.Module):
 def _raw(
     value: ArrayLike, inverse: Callable[[np.ndarray], np.ndarray], what: str
 ) -> np.ndarray:
-    arr = np.asarray(value, dtype=np.result_type(np.asarray(value).dtype, np.float32))
-    if not np.issubdtype(arr.dtype, np.floating):
-        raise TypeError(f"`{what}` takes a real value, got dtype {arr.dtype}.")
+    given = np.asarray(value).dtype
+    # A floating value keeps its dtype (bfloat16 and float16 too: the dtype rule);
+    # anything else becomes floating as NumPy promotes it with float32.
+    floating = jnp.issubdtype(given, jnp.floating)
+    dtype = given if floating else np.result_type(given, np.float32)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"`{what}` takes a real value, got dtype {given}.")
+    # The inverse in float64 (NumPy has no bfloat16 logs), rounded once to `dtype`.
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        raw = inverse(arr)
+        raw = np.asarray(inverse(np.asarray(value, np.float64)), dtype)
     if not np.isfinite(raw).all():
         raise ValueError(f"`{what}` got {value!r}, outside its domain.")
-    return np.asarray(raw, arr.dtype)
+    return raw
 
 
 class Positive(Transform):

@@ -158,3 +158,25 @@ def test_a_vector_transform_is_labelled_by_its_own_path_in_the_report():
     for i in range(2):
         assert f"a[{i}]:  {values[i]: .8g} +/- " in text
         assert f"a[{i}]:" in str(ref)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64])
+def test_a_transform_keeps_the_dtype_of_its_value(dtype):
+    # bfloat16/float16 values were stored as float32, so `p` of a bfloat16 model came
+    # out float32. The reference: the same model without the transform.
+    value = jnp.asarray([0.25, 2.0], dtype)
+    plain, _ = sciflat.destructure({"a": value})
+    for node in (
+        sciflat.Positive(value),
+        sciflat.Log(value),
+        sciflat.Interval(value, 0.0, 10.0),
+    ):
+        assert node.raw.dtype == dtype and node.value.dtype == dtype
+        p, _ = sciflat.destructure({"a": node})
+        assert p.dtype == plain.dtype == dtype
+        eps = float(jnp.finfo(dtype).eps)
+        np.testing.assert_allclose(
+            np.asarray(node.value, np.float64),
+            np.asarray(value, np.float64),
+            rtol=4 * eps,
+        )
