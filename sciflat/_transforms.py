@@ -196,17 +196,30 @@ def has_transforms(model: Any) -> bool:
     return any(_is_transform(x) for x in leaves)
 
 
+def _nodes(re: Restructure) -> list[tuple[str, Transform]]:
+    """Every transform node of the model `re` rebuilds, by path (each path of a tie)."""
+    model = re(jnp.zeros(len(re), re.dtype))
+    nodes = jax.tree_util.tree_flatten_with_path(model, is_leaf=_is_transform)[0]
+    return [(jax.tree_util.keystr(k), x) for k, x in nodes if _is_transform(x)]
+
+
+def describe(node: Transform) -> str:
+    """`Positive()`, `Interval(lower=0.0, upper=1.0)`: the transform without its value."""
+    fields = [f.name for f in dataclasses.fields(node) if f.name != "raw"]
+    inside = ", ".join(f"{name}={getattr(node, name)!r}" for name in fields)
+    return f"{type(node).__qualname__}({inside})"
+
+
+def transforms_by_path(re: Restructure) -> dict[str, str]:
+    """The transform at each leaf that is a transform's `raw` (`"['a'].raw"`), described:
+    what a saved file records, so that it loads into the same transforms only."""
+    return {path + ".raw": describe(node) for path, node in _nodes(re)}
+
+
 def value_names(re: Restructure) -> tuple[str, ...]:
     """One name per entry of `p` for its constrained value: a transform's `raw` path
     named by the transform's own (`['a'][0]`, not `['a'].raw[0]`)."""
-    model = re(jnp.zeros(len(re), re.dtype))
-    nodes = jax.tree_util.tree_flatten_with_path(model, is_leaf=_is_transform)[0]
-    rename = {
-        jax.tree_util.keystr(path) + ".raw": jax.tree_util.keystr(path)
-        for path, node in nodes
-        if _is_transform(node)
-    }
-    return entry_names(re, rename)
+    return entry_names(re, {path + ".raw": path for path, _ in _nodes(re)})
 
 
 def constrained(re: Restructure, x: Float[Array, " n"]) -> Float[Array, " n"]:
