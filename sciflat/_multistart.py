@@ -12,6 +12,7 @@ from jaxtyping import Array, Float
 
 from ._flatten import Restructure, destructure
 from ._floats import promote_floats
+from ._layout import names, nonfinite_paths
 from ._result import FitResult
 from ._scipy_bounds import flat_bounds
 from ._validate import as_flat_vector
@@ -110,7 +111,7 @@ def multistart(
     kwargs.setdefault("progress", False)
     if bounds is not None:
         kwargs["bounds"] = bounds
-    results = [_call(fit, loss, re, args, x0, kwargs) for x0 in x0s]
+    results = [_call(fit, loss, re, args, x0, kwargs, i) for i, x0 in enumerate(x0s)]
     return MultiStartResult(_best(results), results, x0s)
 
 
@@ -176,7 +177,24 @@ def _vmapped_fit(
     return [_finish(prep, out, None) for out in outcomes], x0s
 
 
-def _call(fit, loss, re: Restructure, args: tuple, x0, kwargs: dict) -> FitResult:
+def _call(
+    fit, loss, re: Restructure, args: tuple, x0, kwargs: dict, i: int
+) -> FitResult:
+    if bad := nonfinite_paths(x0, re):
+        # This start only, reported as `fit`'s vmapped starts report one: the others
+        # are fitted (the fit itself would refuse it, and end the whole run).
+        p = jnp.asarray(x0)
+        return FitResult(
+            model=re(p),
+            p=p,
+            loss=float("nan"),
+            status="nonfinite",
+            message=f"Not fitted: start {i} is non-finite in {names(bad)}.",
+            history=np.zeros(0),
+            n_steps=0,
+            re=re,
+            n_evaluations=0,
+        )
     return fit(loss, re, args=args, x0=jnp.asarray(x0), **kwargs)
 
 

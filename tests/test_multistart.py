@@ -170,3 +170,23 @@ def test_optax_lbfgs_runs_in_multistart_as_in_fit():
         np.testing.assert_allclose(got.p, want.p, rtol=1e-10)
         np.testing.assert_allclose(got.history, want.history, rtol=1e-10)
     assert float(runs.best.model["w"]) == pytest.approx(3.3, rel=1e-6)
+
+
+def test_a_non_finite_start_is_reported_per_start_and_the_others_are_fitted():
+    # One NaN start made `least_squares` refuse, and the whole run failed without
+    # naming the start. The reference: each fit alone from the finite starts. (A
+    # start of `multistart(sciflat.fit)` that is or turns non-finite stops as `fit`
+    # would: test_each_optax_start_equals_fit_from_it_with_fits_stops_and_checks.)
+    residuals = make_residuals([])
+    starts = np.array([[1.0], [np.nan], [3.0]])
+    sse = lambda m, x, y: jnp.sum(residuals(m, x, y) ** 2)
+    for fit, loss in ((sciflat.least_squares, residuals), (sciflat.minimize, sse)):
+        runs = sciflat.multistart(fit, loss, {"w": 1.0}, starts, args=(X, Y))
+        bad = runs.results[1]
+        assert bad.status == "nonfinite" and not bad.success, fit
+        assert "start 1 is non-finite in `['w']`" in bad.message
+        assert runs.best is not bad
+        for i in (0, 2):
+            start = {"w": jnp.asarray(starts[i, 0])}
+            alone = fit(loss, start, args=(X, Y), progress=False)
+            np.testing.assert_allclose(runs.results[i].p, alone.p, rtol=1e-10)
