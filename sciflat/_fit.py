@@ -18,6 +18,7 @@ from . import _fit_checkpoint as ckpt
 from ._custom_types import FilePath, FilterSpec, PyTree
 from ._fit_loop import Outcome, deleted, run
 from ._fit_prepare import Prepared, prepare
+from ._layout import names, nonfinite_paths
 from ._result import FitResult
 
 
@@ -49,9 +50,10 @@ def fit(
     The model is destructured once; each step is one jit-compiled call (value and
     gradient of `loss`, `optimizer.update`, `optax.apply_updates`) on the flat vector,
     compiled once, with `p` and the optimiser state donated. Optimisers that need the
-    loss itself, such as `optax.lbfgs`, get `value`, `grad` and `value_fn`. The fit
-    stops cleanly on a non-finite loss or gradient (status `"nonfinite"`, the last
-    finite point, the step and leaf paths in the message) and on Ctrl-C (status
+    loss itself, such as `optax.lbfgs`, get `value`, `grad` and `value_fn`. A run of
+    all its steps is status `"completed"`, a success (`result.success`). The fit
+    stops cleanly on a non-finite loss, gradient or `p` (status `"nonfinite"`, the
+    last finite point, the step and leaf paths in the message) and on Ctrl-C (status
     `"interrupted"`, the best point so far). With `checkpoint`, `p`, the optimiser state
     and the step are written atomically every `checkpoint_every` steps, at the end and
     on Ctrl-C; `resume=True` continues from the file with the same result as an
@@ -123,7 +125,10 @@ def _finish(prep: Prepared, out: Outcome, checkpoint) -> FitResult:
     """The result for each way the loop ended; a normal end computes the final loss."""
     re, carry, status, message = prep.re, prep.carry, out.status, out.message
     p, opt_state, best_p, best_loss, last_ok = out.state
-    history = np.asarray(carry.history, dtype=np.float64)
+    # One start of `multistart` brings its own history; `fit` has the carry's.
+    done = carry.history if out.history is None else out.history
+    n_steps = carry.step if out.history is None else len(done)
+    history = np.asarray(done, dtype=np.float64)
     if status == "interrupted":
         found = bool(np.isfinite(best_loss))
         p, value = best_p, float(best_loss) if found else float("nan")
@@ -142,13 +147,23 @@ def _finish(prep: Prepared, out: Outcome, checkpoint) -> FitResult:
         args = eqx.combine(prep.dynamic_args, prep.static_args)
         data = args if out.last_batch is None else (out.last_batch, *args)
         value = float(prep.loss(re(p), *data))
-        if not np.isfinite(value):
+        # The last update is checked here: no step ran at its result.
+        if bad := nonfinite_paths(p, re):
             status = "nonfinite"
             message = (
-                f"Stopped after step {carry.step}: the loss at the final parameters is "
-                f"{value}. Returning the last parameters with a finite loss and gradient."
+                f"Stopped after step {n_steps}: the last update made the "
+                f"parameters non-finite in {names(bad)} (the loss there is {value}). "
+                "Returning the last parameters with a finite loss and gradient."
+            )
+            p, value, opt_state = last_ok, float(history[-1]), None
+        elif not np.isfinite(value):
+            status = "nonfinite"
+            message = (
+                f"Stopped after step {n_steps}: the loss at the final parameters "
+                f"is {value}. Returning the last parameters with a finite loss and "
+                "gradient."
             )
             p, value, opt_state = last_ok, float(history[-1]), None
     return FitResult(
-        re(p), p, value, status, message, history, carry.step, opt_state, re=re
+        re(p), p, value, status, message, history, n_steps, opt_state, re=re
     )

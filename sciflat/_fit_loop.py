@@ -78,14 +78,15 @@ class Outcome:
     status: Status
     message: str
     last_batch: Any
+    history: list[float] | None = None  # one start of `run_starts` (else the carry's)
 
 
 def run(
     prep: Prepared, *, steps, progress, checkpoint, checkpoint_every, callback
 ) -> Outcome:
     carry = prep.carry
-    status: Status = "max_steps"
-    message = f"Reached `steps` = {steps}."
+    status: Status = "completed"
+    message = f"Completed `steps` = {steps}."
     bar = progress_bar(
         enabled=progress,
         desc="sciflat.fit",
@@ -135,6 +136,48 @@ def run(
     finally:
         bar.close()
     return Outcome(state, status, message, last_batch)
+
+
+def run_starts(prep: "Prepared", step, state, *, steps: int) -> list[Outcome]:
+    """The loop of `run` for a batch of starts (`multistart`), one vmapped `step` per
+    step: each start stops as `fit` from it would (non-finite loss, gradient or `p`:
+    the same message; Ctrl-C: all of them), and is frozen from then on."""
+    k = int(np.shape(state[0])[0])
+    status: list[Status] = ["completed"] * k
+    message = [f"Completed `steps` = {steps}."] * k
+    history: list[list[float]] = [[] for _ in range(k)]
+    active = np.ones(k, bool)
+    try:
+        with Interrupts() as interrupts:
+            for _ in range(steps):
+                if interrupts.requested:
+                    raise KeyboardInterrupt
+                mask = jax.device_put(active)
+                state, values, oks, flags = step(*state, mask, prep.dynamic_args)
+                values, oks = jax.device_get((values, oks))  # one transfer
+                for i in np.flatnonzero(active):
+                    if oks[i]:
+                        history[i].append(float(values[i]))
+                        continue
+                    one = (flags[0][i], flags[1][i])
+                    status[i] = "nonfinite"
+                    message[i] = _nonfinite_message(
+                        len(history[i]), float(values[i]), one, prep
+                    )
+                    active[i] = False
+                if not active.any():
+                    break
+    except KeyboardInterrupt:
+        for i in np.flatnonzero(active):
+            status[i] = "interrupted"
+            message[i] = (
+                f"Interrupted (KeyboardInterrupt) after {len(history[i])} steps"
+            )
+    outcomes = []
+    for i in range(k):
+        one = jax.tree.map(lambda x, i=i: x[i], state)
+        outcomes.append(Outcome(one, status[i], message[i], None, history[i]))
+    return outcomes
 
 
 def deleted(state) -> bool:

@@ -16,7 +16,13 @@ import numpy as np
 import optax
 
 from . import _fit_checkpoint as ckpt
-from ._fit_step import check_loss_output, make_step, reuses_value, strong
+from ._fit_step import (
+    check_loss_output,
+    make_step,
+    make_vmapped_step,
+    reuses_value,
+    strong,
+)
 from ._flatten import Restructure, destructure
 from ._floats import float_dtype, promote_floats
 from ._problem import check_args, check_start
@@ -98,6 +104,19 @@ def prepare(
         first_batch=first,
         total=total,
     )
+
+
+def prepare_starts(prep: Prepared, optimizer, x0s) -> tuple[Callable, tuple]:
+    """The vmapped step and its state for `multistart`: every start as `prepare` would
+    start `fit` from it (its own optimiser state, best and last finite points)."""
+    ps = jnp.asarray(x0s, prep.re.dtype)
+    opt_states = strong(jax.vmap(optimizer.init)(ps), ps.dtype)
+    copy = lambda: jnp.array(ps, copy=True)  # `ps` is donated, these two are not
+    best_loss = jnp.full(len(ps), jnp.inf, prep.state[3].dtype)
+    state = (ps, opt_states, copy(), best_loss, copy())
+    reuse = reuses_value(prep.state[1])
+    step = make_vmapped_step(prep.loss, prep.re, optimizer, prep.static_args, reuse)
+    return step, state
 
 
 def _validate(

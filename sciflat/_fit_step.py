@@ -1,8 +1,6 @@
 """The compiled step of `fit`: value and gradient, `optimizer.update`, `apply_updates`
 on the flat vector, with what a clean stop needs, compiled once."""
 
-import functools as ft
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -33,7 +31,11 @@ def reuses_value(opt_state) -> bool:
     )
 
 
-def make_step(loss, re, optimizer, static_args, reuse_value: bool):
+def make_body(loss, re, optimizer, static_args, reuse_value: bool):
+    """One step of `fit`, not compiled: `step(p, state, best_p, best_loss, last_ok,
+    batch, dynamic_args) -> (next state), value, ok, flags`. `ok` says whether the
+    loss, the gradient and `p` itself are finite at `p`; when not, `flags` say which
+    leaves of `p` and of the gradient are not."""
     opt = optax.with_extra_args_support(optimizer)
     sizes = [leaf.size for leaf in re.layout().slots]
     # The slots tile `p`: one segment reduction flags them all (one slice per leaf
@@ -44,8 +46,6 @@ def make_step(loss, re, optimizer, static_args, reuse_value: bool):
         bad = (~jnp.isfinite(x)).astype(jnp.int32)
         return jax.ops.segment_max(bad, segment_ids, num_segments=len(sizes)) > 0
 
-    # `p` and the optimiser state are donated; `best_p` is not, so Ctrl-C can return it.
-    @ft.partial(jax.jit, donate_argnums=(0, 1))
     def step(p, state, best_p, best_loss, last_ok, batch, dynamic_args):
         args = eqx.combine(dynamic_args, static_args)
         data = args if batch is None else (batch, *args)
@@ -64,7 +64,11 @@ def make_step(loss, re, optimizer, static_args, reuse_value: bool):
             new_state,
             state,
         )
-        ok = jnp.isfinite(value) & jnp.all(jnp.isfinite(grad))
+        # `p` too: an update can turn a leaf the loss does not read non-finite (Adam's
+        # eps underflows to 0 in float16: 0 / 0), with loss and gradient still finite.
+        ok = (
+            jnp.isfinite(value) & jnp.all(jnp.isfinite(grad)) & jnp.all(jnp.isfinite(p))
+        )
         better = ok & (value < best_loss)
         best_p = jnp.where(better, p, best_p)
         best_loss = jnp.where(better, value, best_loss)
@@ -79,6 +83,29 @@ def make_step(loss, re, optimizer, static_args, reuse_value: bool):
         return (new_p, new_state, best_p, best_loss, last_ok), value, ok, flags
 
     return step
+
+
+def make_step(loss, re, optimizer, static_args, reuse_value: bool):
+    """The step of `fit`, compiled; `p` and the optimiser state are donated, `best_p`
+    is not, so Ctrl-C can return it."""
+    body = make_body(loss, re, optimizer, static_args, reuse_value)
+    return jax.jit(body, donate_argnums=(0, 1))
+
+
+def make_vmapped_step(loss, re, optimizer, static_args, reuse_value: bool):
+    """The same step over a batch of starts (`multistart`): every state leaf has a
+    leading axis of starts, and a start that is no longer `active` (stopped) keeps
+    its state. `step(p, state, best_p, best_loss, last_ok, active, dynamic_args)`."""
+    body = make_body(loss, re, optimizer, static_args, reuse_value)
+
+    def masked(p, state, best_p, best_loss, last_ok, active, dynamic_args):
+        old = (p, state, best_p, best_loss, last_ok)
+        new, value, ok, flags = body(*old, None, dynamic_args)
+        keep = lambda n, o: jnp.where(active, n, o)
+        return jax.tree.map(keep, new, old), value, ok, flags
+
+    in_axes = (0, 0, 0, 0, 0, 0, None)
+    return jax.jit(jax.vmap(masked, in_axes=in_axes), donate_argnums=(0, 1))
 
 
 def check_loss_output(out, dtype) -> None:

@@ -1,7 +1,7 @@
 """`save`/`load`: a flat vector and the structure it belongs to, in a plain `.npz` file.
 
 The file holds `p` and a JSON header (leaf paths, shapes, dtypes, ties, frozen leaves,
-versions). It is read with `allow_pickle=False`: nothing in it is ever executed.
+transforms, versions). It is read with `allow_pickle=False`: nothing in it is ever executed.
 """
 
 import dataclasses
@@ -23,6 +23,7 @@ from ._custom_types import FilePath, FilterSpec, PyTree
 from ._dtypes import check_representable, complex_dtype, is_complex
 from ._flatten import Restructure, destructure
 from ._layout import OTHER, TRAINABLE, Layout, Leaf, nonfinite_paths
+from ._transforms import transforms_by_path
 from ._validate import as_flat_vector
 
 
@@ -91,6 +92,9 @@ def header(p, re: Restructure) -> dict[str, Any]:
         "dtype": str(dtype),
         "size": len(re),
         "leaves": Layout(leaves).to_json(),
+        # Which leaves are a `sciflat.Transform`'s `raw`, and which transform
+        # (a file without this key loads unchecked, as before).
+        "transforms": transforms_by_path(re),
     }
 
 
@@ -260,10 +264,29 @@ def check_layout(entries: list[dict], re: Restructure, path) -> None:
         )
 
 
+def check_transforms(saved: dict[str, str], re: Restructure, path) -> None:
+    """Raises naming the first leaf whose transform differs between file and skeleton:
+    the same numbers in `raw` are another value under another transform."""
+    here = transforms_by_path(re)
+    for leaf in sorted(set(saved) | set(here)):
+        got, want = saved.get(leaf), here.get(leaf)
+        if got != want:
+            at = leaf.removesuffix(".raw") if (got and want) else leaf
+            raise ValueError(
+                f"{os.fspath(path)!r} does not fit `like` at leaf `{at}`: the file "
+                f"holds it under {got or 'no transform'}, the model `like` has "
+                f"{want or 'no transform'} there, so the saved numbers would mean "
+                "another value. Load into a model with the transform it was saved "
+                "with (and convert the value yourself if you want another)."
+            )
+
+
 def load_flat(path, re: Restructure, dtype, who: str) -> tuple[dict, dict, np.ndarray]:
     """The checked header, all arrays, and `p` in the dtype asked for."""
     head, arrays = read(path)
     check_layout(head["leaves"], re, path)
+    if "transforms" in head:  # files written before it was recorded load unchecked
+        check_transforms(head["transforms"], re, path)
     saved = np.dtype(jnp.dtype(head["dtype"]))
     if dtype is None:
         if saved != re.dtype:

@@ -12,9 +12,9 @@ from jaxtyping import Array, Float
 
 from ._flatten import Restructure, destructure
 from ._floats import promote_floats
+from ._layout import names, nonfinite_paths
 from ._result import FitResult
 from ._scipy_bounds import flat_bounds
-from ._transforms import unwrapping
 from ._validate import as_flat_vector
 
 
@@ -81,8 +81,9 @@ def multistart(
 
     - `fit`: `sciflat.least_squares` or `sciflat.minimize` (one start after the
         other, on the host: SciPy's loop), or `sciflat.fit` (every start at once:
-        one `jax.vmap`ped, compiled run of `steps` Optax steps; give `optimizer=`
-        and `steps=`; on a GPU the starts run in parallel).
+        `fit`'s own compiled step `jax.vmap`ped over the starts, with its checks and
+        stops, so each start's result is `fit`'s from it; give `optimizer=` and
+        `steps=`; on a GPU the starts run in parallel).
     - `loss`: its `residuals` or `loss`.
     - `model`: the model (its structure, and the first start when sampling).
     - `starts`: an int (how many starts to sample within `bounds`), or a sequence of
@@ -99,18 +100,18 @@ def multistart(
 
     A [`sciflat.MultiStartResult`][]: `best`, `results`, `starts`.
     """
-    model = promote_floats(model, "multistart")
-    on_device = fit is _optax_fit()
-    dtype = kwargs.pop("dtype", None) if on_device else jnp.float64
-    p, re = destructure(model, filter_spec, dtype=dtype)
-    x0s = _starts(starts, p, re, bounds, key, filter_spec)
-    if on_device:
-        results = _vmapped_fit(loss, re, args, x0s, **kwargs)
+    if fit is _optax_fit():
+        results, x0s = _vmapped_fit(
+            loss, model, starts, bounds, key, filter_spec, args, **kwargs
+        )
         return MultiStartResult(_best(results), results, x0s)
+    model = promote_floats(model, "multistart")
+    p, re = destructure(model, filter_spec, dtype=jnp.float64)
+    x0s = _starts(starts, p, re, bounds, key, filter_spec)
     kwargs.setdefault("progress", False)
     if bounds is not None:
         kwargs["bounds"] = bounds
-    results = [_call(fit, loss, re, args, x0, kwargs) for x0 in x0s]
+    results = [_call(fit, loss, re, args, x0, kwargs, i) for i, x0 in enumerate(x0s)]
     return MultiStartResult(_best(results), results, x0s)
 
 
@@ -126,10 +127,22 @@ def _optax_fit() -> Callable[..., Any]:
 
 
 def _vmapped_fit(
-    loss, re: Restructure, args: tuple, x0s, *, optimizer=None, steps=None, **rest
-) -> list[FitResult]:
-    """`sciflat.fit` from every start at once: one compiled `vmap` over the starts of
-    a `lax.scan` over the steps (on a GPU, the starts run in parallel)."""
+    loss,
+    model,
+    starts,
+    bounds,
+    key,
+    filter_spec,
+    args: tuple,
+    *,
+    optimizer=None,
+    steps=None,
+    dtype=None,
+    **rest,
+) -> tuple[list[FitResult], npt.NDArray[np.float64]]:
+    """`sciflat.fit` from every start at once: `fit`'s own step (the same checks, the
+    same stops), `jax.vmap`ped over the starts, one compiled call per step (on a GPU,
+    the starts run in parallel); each start is finished as `fit` finishes."""
     if optimizer is None or steps is None:
         raise TypeError(
             "`multistart` with `sciflat.fit` needs `optimizer=` and `steps=`."
@@ -140,49 +153,48 @@ def _vmapped_fit(
             f"`args`, `filter_spec` only (all starts run as one compiled call); got "
             f"{sorted(rest)}."
         )
-    import optax
+    from ._fit import _finish
+    from ._fit_loop import run_starts
+    from ._fit_prepare import prepare, prepare_starts
 
-    on_values = unwrapping(loss)
-    value_and_grad = jax.value_and_grad(lambda p: on_values(re(p), *args))
+    # Prepared as `fit` prepares: every refusal of `fit` (the loss's output, ...).
+    prep = prepare(
+        loss,
+        model,
+        optimizer,
+        steps=steps,
+        batches=None,
+        args=args,
+        filter_spec=filter_spec,
+        dtype=dtype,
+        checkpoint=None,
+        checkpoint_every=1,
+        resume=None,
+    )
+    x0s = _starts(starts, np.asarray(prep.state[0]), prep.re, bounds, key, filter_spec)
+    step, state = prepare_starts(prep, optimizer, x0s)
+    outcomes = run_starts(prep, step, state, steps=steps)
+    return [_finish(prep, out, None) for out in outcomes], x0s
 
-    def one(p):
-        def step(carry, _):
-            p, state = carry
-            value, grad = value_and_grad(p)
-            updates, state = optimizer.update(grad, state, p)
-            return (optax.apply_updates(p, updates), state), value
 
-        (p, _), history = jax.lax.scan(step, (p, optimizer.init(p)), None, length=steps)
-        return p, history, on_values(re(p), *args)
-
-    ps, histories, finals = jax.jit(jax.vmap(one))(jnp.asarray(x0s, re.dtype))
-    results = []
-    for p, history, final in zip(
-        ps, np.asarray(histories), np.asarray(finals), strict=True
-    ):
-        ok = bool(np.isfinite(final)) and bool(np.isfinite(np.asarray(p)).all())
-        status = "max_steps" if ok else "nonfinite"
-        message = (
-            f"Reached `steps` = {steps} (all starts in one vmapped call)."
-            if ok
-            else "The loss or parameters became non-finite (vmapped starts do not stop early)."
-        )
-        result = FitResult(
+def _call(
+    fit, loss, re: Restructure, args: tuple, x0, kwargs: dict, i: int
+) -> FitResult:
+    if bad := nonfinite_paths(x0, re):
+        # This start only, reported as `fit`'s vmapped starts report one: the others
+        # are fitted (the fit itself would refuse it, and end the whole run).
+        p = jnp.asarray(x0)
+        return FitResult(
             model=re(p),
             p=p,
-            loss=float(final),
-            status=status,
-            message=message,
-            history=np.asarray(history, np.float64),
-            n_steps=steps,
+            loss=float("nan"),
+            status="nonfinite",
+            message=f"Not fitted: start {i} is non-finite in {names(bad)}.",
+            history=np.zeros(0),
+            n_steps=0,
             re=re,
-            n_evaluations=steps,
+            n_evaluations=0,
         )
-        results.append(result)
-    return results
-
-
-def _call(fit, loss, re: Restructure, args: tuple, x0, kwargs: dict) -> FitResult:
     return fit(loss, re, args=args, x0=jnp.asarray(x0), **kwargs)
 
 

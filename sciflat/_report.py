@@ -6,8 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._transforms import constrained
-from ._uncertainty import entry_names
+from ._transforms import constrained, value_names
 
 
 if TYPE_CHECKING:
@@ -22,6 +21,13 @@ def pretty(name: str) -> str:
 
 def _number(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.6g}"
+
+
+def _redchi(result: "FitResult[Any]") -> str:
+    if result.redchi is None and result.n_data is not None:
+        m, n = result.n_data, len(result.p)
+        return f"undefined ({m} residuals, {n} parameters: no degree of freedom left)"
+    return _number(result.redchi)
 
 
 def report(result: "FitResult[Any]", min_correlation: float) -> str:
@@ -40,7 +46,7 @@ def report(result: "FitResult[Any]", min_correlation: float) -> str:
     if result.chisqr is not None:
         stats += [
             ("chi-square", _number(result.chisqr)),
-            ("reduced chi-square", _number(result.redchi)),
+            ("reduced chi-square", _redchi(result)),
             ("Akaike info crit", _number(result.aic)),
             ("Bayesian info crit", _number(result.bic)),
         ]
@@ -49,7 +55,7 @@ def report(result: "FitResult[Any]", min_correlation: float) -> str:
     unc, re = result.uncertainty, result.re
     if re is None:
         return "\n".join(lines)
-    names = [pretty(n).removesuffix(".raw") for n in entry_names(re)]
+    names = [pretty(n) for n in value_names(re)]
     values = np.asarray(constrained(re, result.p), np.float64)
     lines.append("[[Variables]]")
     width = max(len(n) for n in names)
@@ -62,7 +68,7 @@ def report(result: "FitResult[Any]", min_correlation: float) -> str:
         lines.append(text)
     if unc is None:
         return "\n".join(lines)
-    lines.append(f"    (covariance: {unc.scale})")
+    lines.append(f"    (covariance: {pretty(unc.scale)})")
     for direction in unc.unidentifiable:
         lines.append(f"    not determined by the data: {pretty(direction)}")
     corr = unc.correlation

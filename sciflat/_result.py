@@ -17,7 +17,9 @@ from ._uncertainty import Uncertainty
 
 _M = TypeVar("_M")
 
-Status = Literal["converged", "max_steps", "interrupted", "nonfinite", "failed"]
+Status = Literal[
+    "converged", "completed", "max_steps", "interrupted", "nonfinite", "failed"
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,8 +43,10 @@ class FitResult(Generic[_M]):
     - `model`: the fitted model, rebuilt from `p` (so in `p.dtype`).
     - `p`: the flat parameter vector it was rebuilt from.
     - `loss`: the loss (or cost) at `p`.
-    - `status`: `"converged"`, `"max_steps"`, `"interrupted"` (Ctrl-C: `p` is the best
-        point seen so far), `"nonfinite"` (a non-finite loss or gradient: `p` is the last
+    - `status`: `"converged"`, `"completed"` ([`sciflat.fit`][] ran the steps or
+        batches it was given), `"max_steps"` (a SciPy fit used up its budget of
+        evaluations or iterations), `"interrupted"` (Ctrl-C: `p` is the best point seen
+        so far), `"nonfinite"` (a non-finite loss, gradient or `p`: `p` is the last
         finite point) or `"failed"`.
     - `message`: a sentence saying why the fit stopped (and, at `"max_steps"`, what to
         change to go further).
@@ -74,8 +78,10 @@ class FitResult(Generic[_M]):
 
     @property
     def success(self) -> bool:
-        """True when the fit converged (not at `"max_steps"`, as SciPy's `success`)."""
-        return self.status == "converged"
+        """True when the fit did what it was asked: `"converged"`, or `"completed"`
+        (an Optax fit that ran all its steps without a non-finite stop). A SciPy fit
+        stopped by its budget (`"max_steps"`) is no success, as SciPy's `success`."""
+        return self.status in ("converged", "completed")
 
     @property
     def stderr(self) -> Any:
@@ -97,9 +103,13 @@ class FitResult(Generic[_M]):
 
     @property
     def redchi(self) -> float | None:
-        """χ² / (m - n), the reduced χ² (least squares only)."""
+        """χ² / (m - n), the reduced χ² (least squares only; None where m <= n:
+        undefined without more residuals than parameters)."""
         dof = self._dof()
-        return None if self.chisqr is None or not dof else self.chisqr / dof
+        # Undefined (None) without more residuals than parameters, as for m = n.
+        if self.chisqr is None or dof is None or dof <= 0:
+            return None
+        return self.chisqr / dof
 
     @property
     def aic(self) -> float | None:

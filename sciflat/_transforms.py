@@ -21,7 +21,7 @@ from jaxtyping import Array, ArrayLike, Float
 
 from ._flatten import Restructure
 from ._layout import TRAINABLE
-from ._uncertainty import Uncertainty
+from ._uncertainty import Uncertainty, entry_names
 
 
 _M = TypeVar("_M")
@@ -49,14 +49,19 @@ class Transform(eqx.Module):
 def _raw(
     value: ArrayLike, inverse: Callable[[np.ndarray], np.ndarray], what: str
 ) -> np.ndarray:
-    arr = np.asarray(value, dtype=np.result_type(np.asarray(value).dtype, np.float32))
-    if not np.issubdtype(arr.dtype, np.floating):
-        raise TypeError(f"`{what}` takes a real value, got dtype {arr.dtype}.")
+    given = np.asarray(value).dtype
+    # A floating value keeps its dtype (bfloat16 and float16 too: the dtype rule);
+    # anything else becomes floating as NumPy promotes it with float32.
+    floating = jnp.issubdtype(given, jnp.floating)
+    dtype = given if floating else np.result_type(given, np.float32)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"`{what}` takes a real value, got dtype {given}.")
+    # The inverse in float64 (NumPy has no bfloat16 logs), rounded once to `dtype`.
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        raw = inverse(arr)
+        raw = np.asarray(inverse(np.asarray(value, np.float64)), dtype)
     if not np.isfinite(raw).all():
         raise ValueError(f"`{what}` got {value!r}, outside its domain.")
-    return np.asarray(raw, arr.dtype)
+    return raw
 
 
 class Positive(Transform):
@@ -191,17 +196,46 @@ def has_transforms(model: Any) -> bool:
     return any(_is_transform(x) for x in leaves)
 
 
+def _nodes(re: Restructure) -> list[tuple[str, Transform]]:
+    """Every transform node of the model `re` rebuilds, by path (each path of a tie)."""
+    model = re(jnp.zeros(len(re), re.dtype))
+    nodes = jax.tree_util.tree_flatten_with_path(model, is_leaf=_is_transform)[0]
+    return [(jax.tree_util.keystr(k), x) for k, x in nodes if _is_transform(x)]
+
+
+def describe(node: Transform) -> str:
+    """`Positive()`, `Interval(lower=0.0, upper=1.0)`: the transform without its value."""
+    fields = [f.name for f in dataclasses.fields(node) if f.name != "raw"]
+    inside = ", ".join(f"{name}={getattr(node, name)!r}" for name in fields)
+    return f"{type(node).__qualname__}({inside})"
+
+
+def transforms_by_path(re: Restructure) -> dict[str, str]:
+    """The transform at each leaf that is a transform's `raw` (`"['a'].raw"`), described:
+    what a saved file records, so that it loads into the same transforms only."""
+    return {path + ".raw": describe(node) for path, node in _nodes(re)}
+
+
+def value_names(re: Restructure) -> tuple[str, ...]:
+    """One name per entry of `p` for its constrained value: a transform's `raw` path
+    named by the transform's own (`['a'][0]`, not `['a'].raw[0]`)."""
+    return entry_names(re, {path + ".raw": path for path, _ in _nodes(re)})
+
+
 def constrained(re: Restructure, x: Float[Array, " n"]) -> Float[Array, " n"]:
     """`x` with every entry that is a transform's `raw` mapped to its value."""
     x = jnp.asarray(x)
     positions = re(jnp.arange(len(re), dtype=x.dtype))  # each leaf holds its indices
     trainable = {e.path for e in re.layout() if e.kind == TRAINABLE}
     nodes = jax.tree_util.tree_flatten_with_path(positions, is_leaf=_is_transform)[0]
+    out = x
     for path, node in nodes:
         if _is_transform(node) and jax.tree_util.keystr(path) + ".raw" in trainable:
             index = np.asarray(node.raw).astype(int).ravel()
-            x = x.at[index].set(node.forward(x[index]))
-    return x
+            # From `x`, not from `out`: a tied node is met once per path, and its
+            # entries are mapped once (not softplus of softplus).
+            out = out.at[index].set(node.forward(x[index]))
+    return out
 
 
 def delta_method(

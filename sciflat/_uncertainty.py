@@ -41,7 +41,8 @@ class Uncertainty:
     **Fields:**
 
     - `covariance`: `(n, n)` NumPy array; rows and columns of parameters in an
-        unidentifiable direction are NaN.
+        unidentifiable direction are NaN, and all of it where the Jacobian (or
+        Hessian) at `p` is non-finite (`scale` then says where).
     - `re`: the [`sciflat.Restructure`][] of `p`; `names` gives one name per entry
         of `p` (`"['b1']"`, `".weight[0, 1]"`), a tied array once, under its first path.
     - `scale`: a sentence saying how the covariance was scaled.
@@ -72,18 +73,20 @@ class Uncertainty:
             return self.covariance / np.outer(s, s)
 
 
-def entry_names(re: Restructure) -> tuple[str, ...]:
-    """A name for every entry of `p`: the leaf's path, with the index for arrays."""
+def entry_names(re: Restructure, rename: Any = None) -> tuple[str, ...]:
+    """A name for every entry of `p`: the leaf's path, with the index for arrays
+    (each path first mapped by `rename`, a dict, where it has one)."""
     names = []
     for entry in re.layout().slots:
         shape = entry.shape
+        path = entry.path if rename is None else rename.get(entry.path, entry.path)
         parts = ("",) if entry.size == int(np.prod(shape)) else (".real", ".imag")
         for part in parts:
             if shape == ():
-                names.append(entry.path + part)
+                names.append(path + part)
                 continue
             for index in np.ndindex(*shape):
-                names.append(f"{entry.path}{part}[{', '.join(map(str, index))}]")
+                names.append(f"{path}{part}[{', '.join(map(str, index))}]")
     return tuple(names)
 
 
@@ -97,8 +100,12 @@ def _inverse(
     d = np.where(d > 0, d, 1.0)
     scaled = a / d if squared else a / np.outer(d, d)
     if squared:
-        _, s, vt = np.linalg.svd(scaled, full_matrices=False)
-        values, vectors = s**2, vt.T
+        # Every direction of `p`: with fewer residuals than parameters (m < n) the
+        # thin SVD has m of the n, and the rest (undetermined) would pass unseen.
+        _, s, vt = np.linalg.svd(scaled, full_matrices=scaled.shape[0] < len(d))
+        values = np.zeros(len(d))
+        values[: len(s)] = s**2
+        vectors = vt.T
     else:
         values, vectors = np.linalg.eigh((scaled + scaled.T) / 2)
     top = np.max(np.abs(values), initial=0.0)
@@ -124,10 +131,34 @@ def _inverse(
     return cov, tuple(dropped)
 
 
+def undefined(re: Restructure, what: str, matrix: np.ndarray) -> Uncertainty | None:
+    """A NaN covariance saying why, when `matrix` (the Jacobian or Hessian at `p`) is
+    not finite: the fit's outcome stands, its standard errors are undefined."""
+    bad = ~np.isfinite(matrix)
+    if not bad.any():
+        return None
+    names = entry_names(re)
+    columns = [names[j] for j in np.flatnonzero(bad.any(0))]
+    where = ", ".join(columns[:8]) + (", ..." if len(columns) > 8 else "")
+    rows = np.flatnonzero(bad.any(1))
+    text = (
+        f"undefined: the {what} at `p` is non-finite ({int(bad.sum())} entries, in the "
+        f"columns of {where}"
+    )
+    if what == "Jacobian":
+        shown = ", ".join(map(str, rows[:8])) + (", ..." if len(rows) > 8 else "")
+        text += f"; residuals {shown}"
+    text += "), so the standard errors cannot be computed"
+    n = len(re)
+    return Uncertainty(np.full((n, n), np.nan), re, text)
+
+
 def from_jacobian(jac, cost: float, re: Restructure) -> Uncertainty:
     """cov = s² (JᵀJ)⁻¹, s² = 2 cost / (m - n): the least-squares covariance."""
     jac = np.asarray(jac, np.float64)
     m, n = jac.shape
+    if (nan := undefined(re, "Jacobian", jac)) is not None:
+        return nan
     inner, dropped = _inverse(jac, re, squared=True)
     # An undetermined direction is no degree of freedom used by the fit.
     rank = n - len(dropped)
@@ -148,6 +179,8 @@ def from_hessian(
     """The covariance from the Hessian of the loss at its minimum, scaled by `scale`."""
     hess = np.asarray(hess, np.float64)
     n = len(re)
+    if (nan := undefined(re, "Hessian", hess)) is not None:
+        return nan
     inner, dropped = _inverse(hess, re, squared=False)
     if scale == "nll":
         return Uncertainty(
@@ -205,7 +238,9 @@ def hessian_uncertainty(
     - `result`: what `minimize` or `fit` returned (it carries `re`). The Hessian is
         computed in float64, whatever `p.dtype` the fit ran in (JAX's 64-bit mode must
         be on).
-    - `loss`, `args`: the loss the fit minimised and its data.
+    - `loss`, `args`: the loss the fit minimised and its data (or, for a
+        `least_squares` result, a loss of its residuals, e.g. their Σr² with
+        `scale="sse"`): `scale` reads the value of this loss at `result.p`.
     - `scale`: `"nll"`, `"sse"` or `"mse"`, as above.
     - `n_data`: the number of residuals (for `"sse"` and `"mse"`).
 
@@ -229,11 +264,15 @@ def hessian_uncertainty(
     x = jnp.asarray(result.p, jnp.float64)
     from ._transforms import for_values, unwrap
 
-    hess = jax.jit(jax.hessian(lambda x: loss(unwrap(re(x)), *args)))(x)
-    unc = from_hessian(np.asarray(hess), result.loss, re, scale, n_data)
+    f = lambda x: loss(unwrap(re(x)), *args)
+    # The scale reads the value of *this* loss, not `result.loss`: that of a
+    # `least_squares` result is SciPy's cost, ½Σr², not Σr² (a factor √2 in stderr).
+    value, hess = jax.jit(lambda x: (f(x), jax.hessian(f)(x)))(x)
+    value = float(value)
+    unc = from_hessian(np.asarray(hess), value, re, scale, n_data)
     unc = for_values(unc, re, x, result.model)
     if scale == "nll":
         return dataclasses.replace(result, uncertainty=unc)
     assert n_data is not None  # from_hessian checked
-    chisqr = result.loss if scale == "sse" else result.loss * n_data
+    chisqr = value if scale == "sse" else value * n_data
     return dataclasses.replace(result, uncertainty=unc, chisqr=chisqr, n_data=n_data)

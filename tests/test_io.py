@@ -355,3 +355,37 @@ def test_load_flattens_the_skeleton_in_the_dtype_asked_for(tmp_path):
     assert float(loaded["u0"]) == 0.75 and loaded["u1"] == model["u1"].astype(
         jnp.complex64
     )
+
+
+def test_a_file_loads_only_into_the_transforms_it_was_saved_with(tmp_path):
+    # Saved {"a": Positive(2.0)}, loaded into {"a": Log(2.0)}: the raw number under
+    # another transform gave a = 6.39 silently. The reference: the saved value.
+    path = tmp_path / "m.npz"
+    sciflat.save(path, {"a": sciflat.Positive(2.0), "b": jnp.asarray(1.0)})
+    back = sciflat.load(path, {"a": sciflat.Positive(5.0), "b": jnp.asarray(0.0)})
+    assert float(sciflat.unwrap(back)["a"]) == pytest.approx(2.0, rel=1e-6)
+    for other, named in [
+        (sciflat.Log(2.0), "Log()"),
+        (sciflat.Interval(2.0, 0.0, 10.0), "Interval(lower=0.0, upper=10.0)"),
+    ]:
+        with pytest.raises(ValueError) as info:
+            sciflat.load(path, {"a": other, "b": jnp.asarray(0.0)})
+        text = str(info.value)
+        assert "at leaf `['a']`" in text and "Positive()" in text and named in text
+    assert read_raw(path)[0]["transforms"] == {"['a'].raw": "Positive()"}
+    # The parameters of a transform count: Interval(0, 10) is not Interval(0, 5).
+    sciflat.save(path, {"a": sciflat.Interval(2.0, 0.0, 10.0)})
+    with pytest.raises(ValueError, match=r"upper=10\.0.*upper=5\.0"):
+        sciflat.load(path, {"a": sciflat.Interval(2.0, 0.0, 5.0)})
+
+
+def test_a_file_written_before_transforms_were_recorded_still_loads(tmp_path):
+    # Files of format version 1 written before the header had `transforms`.
+    path = tmp_path / "m.npz"
+    sciflat.save(path, {"a": sciflat.Positive(2.0)})
+    head, arrays = read_raw(path)
+    del head["transforms"]
+    arrays["sciflat_header"] = np.array(json.dumps(head))
+    np.savez(tmp_path / "old.npz", **arrays)
+    back = sciflat.load(tmp_path / "old.npz", {"a": sciflat.Positive(1.0)})
+    assert float(sciflat.unwrap(back)["a"]) == pytest.approx(2.0, rel=1e-6)

@@ -163,6 +163,22 @@ def test_minimize_covariance_from_the_hessian(line_data, scale):
         assert res.chisqr == pytest.approx(rss, rel=1e-6)
 
 
+@pytest.mark.parametrize("scale", ["sse", "mse"])
+def test_hessian_uncertainty_of_a_least_squares_result_is_its_jacobian_one(
+    line_data, scale
+):
+    # A `least_squares` result's `loss` is SciPy's cost, ½Σr²: read as Σr² it gave
+    # standard errors √2 too small. The reference: the Jacobian covariance of the same
+    # result (equal for a linear model, whose Hessian is exactly 2 JᵀJ).
+    x, y = line_data
+    res = lsq(line, {"a": 0.0, "b": 0.0}, (x, y))
+    reduce = jnp.sum if scale == "sse" else jnp.mean
+    loss = lambda m, x, y: reduce(line(m, x, y) ** 2)
+    got = sciflat.hessian_uncertainty(res, loss, args=(x, y), scale=scale, n_data=20)
+    np.testing.assert_allclose(got.covariance, res.covariance, rtol=1e-8)
+    assert got.chisqr == pytest.approx(res.chisqr, rel=1e-10)
+
+
 def test_covariance_of_an_optax_fit_from_the_hessian(line_data, x64_off):
     """`sciflat.fit` results carry `re` too: the covariance of a float32 Optax fit,
     computed in float64 (with 64-bit mode on), matches the closed form."""
@@ -200,6 +216,71 @@ def test_unidentifiable_direction_is_named_and_the_rest_is_exact(line_data):
     (direction,) = res.uncertainty.unidentifiable
     assert "['a']" in direction and "['c']" in direction and "['b']" not in direction
     assert "not determined by the data: 1 a -1 c" in str(res)
+
+
+def test_fewer_residuals_than_parameters_undetermined_are_nan_the_rest_exact():
+    # 3 residuals, 4 parameters, only `a` in them: b, c, d are undetermined (NaN, and
+    # named), a's error is the closed form, s² = Σr² / (m - rank) = Σr² / 2: the thin
+    # SVD showed 3 of the 4 directions (d ± 0, a √2 too large).
+    y = np.array([1.0, 2.0, 4.0])
+    res = lsq(
+        lambda m, y: m["a"] - y + 0.0 * (m["b"] + m["c"] + m["d"]),
+        {"a": 0.0, "b": 1.0, "c": 2.0, "d": 3.0},
+        (jnp.asarray(y),),
+    )
+    # The reference by hand: J = [1, 0, 0, 0] per residual, its pseudo-inverse.
+    jac = np.tile([1.0, 0.0, 0.0, 0.0], (3, 1))
+    rank = np.linalg.matrix_rank(jac)
+    s2 = np.sum((y - y.mean()) ** 2) / (len(y) - rank)
+    want = np.sqrt(s2 * np.linalg.pinv(jac.T @ jac)[0, 0])
+    assert want == pytest.approx(np.sqrt(np.var(y, ddof=1) / 3))  # the closed form
+    assert float(res.model["a"]) == pytest.approx(y.mean(), rel=1e-7)  # trf (m < n)
+    assert float(res.stderr["a"]) == pytest.approx(want, rel=1e-8)
+    for name in ("b", "c", "d"):
+        assert np.isnan(res.stderr[name]), name
+    assert len(res.uncertainty.unidentifiable) == 3
+    assert res.redchi is None  # undefined, not Σr² / (3 - 4) < 0
+
+
+def test_reduced_chi_square_is_undefined_without_more_residuals_than_parameters():
+    # 5 parameters, 3 residuals: Σr² / (m - n) was -2.33, printed in the report.
+    y = jnp.array([1.0, 2.0, 4.0])
+    res = lsq(
+        lambda m, y: jnp.stack([m["a"], m["a"] + m["b"], m["c"] * 0 + 3]) - y,
+        {"a": 0.0, "b": 0.0, "c": 1.0, "d": 1.0, "e": 1.0},
+        (y,),
+    )
+    assert res.chisqr == pytest.approx(2.0 * res.loss) and res.chisqr > 0
+    assert res.redchi is None
+    text = str(res)
+    assert "reduced chi-square:  undefined (3 residuals, 5 parameters" in text
+    assert "-2.33" not in text
+
+
+@pytest.mark.parametrize("case", ["sqrt", "logistic"])
+def test_a_fit_whose_standard_errors_cannot_be_computed_is_returned(case):
+    # A non-finite Jacobian at the final point made NumPy's SVD raise ("SVD did not
+    # converge"): the fit was lost. Now its outcome comes back, the standard errors
+    # NaN and the report saying why. The reference: the cost at `p`, by NumPy.
+    if case == "sqrt":  # d/da sqrt(a t) is 0/0 at t = 0
+        t = np.linspace(0, 3, 10)
+        y = np.sqrt(2 * t)
+        f = lambda m, t, y: jnp.sqrt(m["a"] * t) - y
+        model = {"a": 1.0}
+    else:  # exp(-k (t - t0)) overflows far from t0: inf * 0 in the Jacobian
+        t = np.linspace(0.0, 19.0, 20)
+        y = 10 / (1 + np.exp(-0.8 * (t - 9.0)))
+        f = lambda m, t, y: m["a"] / (1 + jnp.exp(-m["k"] * (t - m["t0"]))) - y
+        model = {"a": 968.4, "k": 802.0, "t0": 18.55}
+    res = lsq(f, model, (jnp.asarray(t), jnp.asarray(y)))
+    r = np.asarray(f(res.model, t, y))
+    assert np.isfinite(r).all()
+    assert res.loss == pytest.approx(0.5 * np.sum(r**2), rel=1e-12)
+    assert np.isnan(res.covariance).all()
+    for name in model:
+        assert np.isnan(res.stderr[name])
+    assert "Jacobian at `p` is non-finite" in res.uncertainty.scale
+    assert "so the standard errors cannot be computed" in str(res)
 
 
 def test_tied_parameters_count_once_and_frozen_have_none(line_data):

@@ -108,3 +108,75 @@ def test_frozen_transform_is_left_alone():
     assert res.stderr["k"] is None and len(res.p) == 1
     assert float(sciflat.unwrap(res.model)["k"]) == pytest.approx(0.7)
     assert jax.tree.structure(res.model) == jax.tree.structure(model)
+
+
+def tied_decay(m, x, y):
+    return m["a"] * jnp.exp(-m["k"] * x) + 0.2 * m["b"] - y
+
+
+def test_a_tied_transform_is_constrained_once_in_report_and_standard_errors():
+    # One `Positive` node used for "a" and "b": the reference is the same fit with
+    # one plain parameter in both places. Softplus was applied once per path.
+    pos = sciflat.Positive(1.0)
+    tied = {"a": pos, "b": pos, "k": sciflat.Positive(1.0)}
+    untied = lambda m, x, y: tied_decay({"a": m["a"], "b": m["a"], "k": m["k"]}, x, y)
+    res = lsq(tied_decay, tied, (X, Y))
+    ref = lsq(untied, {"a": 1.0, "k": 1.0}, (X, Y))
+    values = sciflat.unwrap(res.model)
+    assert float(values["a"]) == pytest.approx(float(ref.model["a"]), rel=1e-7)
+    for name, ref_name in (("a", "a"), ("b", "a"), ("k", "k")):
+        assert float(res.stderr[name]) == pytest.approx(
+            float(ref.stderr[ref_name]), rel=1e-5
+        )
+    assert f"a:  {float(values['a']): .8g} +/- " in str(res)
+    # The Hessian route: minimize + hessian_uncertainty, tied and transformed against
+    # plain (equal at the minimum, where the gradient term of the chain rule is 0).
+    sse_tied = lambda m, x, y: jnp.sum(tied_decay(m, x, y) ** 2)
+    sse_plain = lambda m, x, y: jnp.sum(untied(m, x, y) ** 2)
+    opts = dict(options=dict(gtol=1e-12), progress=False)
+    h_tied = sciflat.minimize(sse_tied, tied, args=(X, Y), **opts)
+    h_ref = sciflat.minimize(sse_plain, {"a": 1.0, "k": 1.0}, args=(X, Y), **opts)
+    kw = dict(args=(X, Y), scale="sse", n_data=len(X))
+    h_tied = sciflat.hessian_uncertainty(h_tied, sse_tied, **kw)
+    h_ref = sciflat.hessian_uncertainty(h_ref, sse_plain, **kw)
+    for name, ref_name in (("a", "a"), ("b", "a"), ("k", "k")):
+        assert float(h_tied.stderr[name]) == pytest.approx(
+            float(h_ref.stderr[ref_name]), rel=1e-4
+        )
+
+
+def test_a_vector_transform_is_labelled_by_its_own_path_in_the_report():
+    # `a.raw[0]` was printed beside the constrained value; the reference is the same
+    # fit with a plain array, whose report reads `a[0]`, `a[1]`.
+    f = lambda m, x, y: m["a"][0] * jnp.exp(-m["a"][1] * x) - y
+    res = lsq(f, {"a": sciflat.Positive(np.array([1.0, 1.0]))}, (X, Y))
+    ref = lsq(f, {"a": jnp.array([1.0, 1.0])}, (X, Y))
+    values = np.asarray(sciflat.unwrap(res.model)["a"])
+    np.testing.assert_allclose(values, ref.model["a"], rtol=1e-7)
+    text = str(res)
+    assert ".raw" not in text
+    for i in range(2):
+        assert f"a[{i}]:  {values[i]: .8g} +/- " in text
+        assert f"a[{i}]:" in str(ref)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64])
+def test_a_transform_keeps_the_dtype_of_its_value(dtype):
+    # bfloat16/float16 values were stored as float32, so `p` of a bfloat16 model came
+    # out float32. The reference: the same model without the transform.
+    value = jnp.asarray([0.25, 2.0], dtype)
+    plain, _ = sciflat.destructure({"a": value})
+    for node in (
+        sciflat.Positive(value),
+        sciflat.Log(value),
+        sciflat.Interval(value, 0.0, 10.0),
+    ):
+        assert node.raw.dtype == dtype and node.value.dtype == dtype
+        p, _ = sciflat.destructure({"a": node})
+        assert p.dtype == plain.dtype == dtype
+        eps = float(jnp.finfo(dtype).eps)
+        np.testing.assert_allclose(
+            np.asarray(node.value, np.float64),
+            np.asarray(value, np.float64),
+            rtol=4 * eps,
+        )

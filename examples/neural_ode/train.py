@@ -221,7 +221,7 @@ def main(
     )
     train_time = time.perf_counter() - t0
     model, history = result.model, result.history
-    if result.status != "max_steps":
+    if not result.success:
         print(result.message, file=sys.stderr)
 
     model = put(model, jax.devices()[0]) if shard else model
