@@ -124,7 +124,7 @@ def fit(
 def _finish(prep: Prepared, out: Outcome, checkpoint) -> FitResult:
     """The result for each way the loop ended; a normal end computes the final loss."""
     re, carry, status, message = prep.re, prep.carry, out.status, out.message
-    p, opt_state, best_p, best_loss, last_ok = out.state
+    p, opt_state, best_p, best_loss, last_ok = out.state  # a `State`
     # One start of `multistart` brings its own history; `fit` has the carry's.
     done = carry.history if out.history is None else out.history
     n_steps = carry.step if out.history is None else len(done)

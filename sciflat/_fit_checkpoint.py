@@ -6,12 +6,12 @@ a freshly `optimizer.init`-ed state, leaf by leaf checked for shape and dtype.
 
 import dataclasses
 import re as regex
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._fit_step import State
 from ._flatten import Restructure
 from ._io import from_numpy, header, load_flat, to_numpy, write_atomic
 
@@ -20,11 +20,7 @@ from ._io import from_numpy, header, load_flat, to_numpy, write_atomic
 class Carry:
     """Everything a fit needs to continue: restored from a checkpoint bit for bit."""
 
-    p: Any
-    opt_state: Any
-    best_p: Any  # lowest finite loss so far (what Ctrl-C returns)
-    best_loss: Any
-    last_ok: Any  # the last point whose loss and gradient were finite
+    state: State
     step: int
     history: list[float]
 
@@ -48,19 +44,20 @@ def check_state_leaves(opt_state) -> None:
 
 
 def write(path, re: Restructure, carry: Carry) -> None:
-    leaves, treedef = jax.tree.flatten(carry.opt_state)
+    state = carry.state
+    leaves, treedef = jax.tree.flatten(state.opt_state)
     arrays = {f"opt_state_{i}": to_numpy(x) for i, x in enumerate(leaves)}
     arrays |= {
-        "p": to_numpy(carry.p),
-        "best_p": to_numpy(carry.best_p),
-        "last_ok": to_numpy(carry.last_ok),
-        "best_loss": to_numpy(carry.best_loss),
+        "p": to_numpy(state.p),
+        "best_p": to_numpy(state.best_p),
+        "last_ok": to_numpy(state.last_ok),
+        "best_loss": to_numpy(state.best_loss),
         "history": np.asarray(carry.history, dtype=np.float64),
     }
-    head = header(carry.p, re)
+    head = header(state.p, re)
     head["checkpoint"] = {
         "step": carry.step,
-        "loss_dtype": str(carry.best_loss.dtype),
+        "loss_dtype": str(state.best_loss.dtype),
         "opt_state_treedef": _treedef_str(treedef),
         "opt_state": [
             {"shape": list(np.shape(x)), "dtype": str(x.dtype)} for x in leaves
@@ -94,7 +91,7 @@ def read(path, re: Restructure, fresh_state) -> Carry:
         name = f"opt_state_{i}"
         leaves.append(jnp.asarray(from_numpy(arrays[name], got["dtype"], path, name)))
     as_p = lambda name: jnp.asarray(from_numpy(arrays[name], head["dtype"], path, name))
-    return Carry(
+    state = State(
         p=jnp.asarray(p),
         opt_state=jax.tree.unflatten(treedef, leaves),
         best_p=as_p("best_p"),
@@ -102,13 +99,14 @@ def read(path, re: Restructure, fresh_state) -> Carry:
             from_numpy(arrays["best_loss"], meta["loss_dtype"], path, "best_loss")
         ),
         last_ok=as_p("last_ok"),
+    )
+    return Carry(
+        state=state,
         step=int(meta["step"]),
         history=[float(x) for x in arrays["history"]],
     )
 
 
-def write_state(path, re: Restructure, carry: Carry, state: tuple) -> None:
+def write_state(path, re: Restructure, carry: Carry, state: State) -> None:
     """Writes the loop's `state` with `carry`'s step and history."""
-    p, opt_state, best_p, best_loss, last_ok = state
-    new = Carry(p, opt_state, best_p, best_loss, last_ok, carry.step, carry.history)
-    write(path, re, new)
+    write(path, re, Carry(state, carry.step, carry.history))

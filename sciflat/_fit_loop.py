@@ -13,6 +13,7 @@ import numpy as np
 
 from . import _fit_checkpoint as ckpt
 from ._fit_prepare import Prepared
+from ._fit_step import State
 from ._layout import names
 from ._progress import progress_bar
 from ._result import Status
@@ -48,7 +49,7 @@ def dispatch(step, state, dynamic_args, feed, n_left, interrupts):
     for batch in itertools.islice(feed, n_left):
         if interrupts.requested:
             raise KeyboardInterrupt
-        state, value, ok, flags = step(*state, batch, dynamic_args)
+        state, value, ok, flags = step(state, batch, dynamic_args)
         yield state, value, ok, flags, batch
 
 
@@ -74,7 +75,7 @@ def one_ahead(steps_run: Iterator[_T]) -> Iterator[_T]:
 class Outcome:
     """How the loop ended: the last state, why, and the last batch (for the final loss)."""
 
-    state: tuple
+    state: State
     status: Status
     message: str
     last_batch: Any
@@ -117,7 +118,7 @@ def run(
                 bar.update()
                 bar.set_postfix(loss=f"{float(value):.6g}", refresh=False)
                 if callback is not None and callback(
-                    carry.step, float(value), prep.re(state[0])
+                    carry.step, float(value), prep.re(state.p)
                 ):
                     status = "converged"
                     message = f"`callback` asked to stop after step {carry.step}."
@@ -138,11 +139,11 @@ def run(
     return Outcome(state, status, message, last_batch)
 
 
-def run_starts(prep: "Prepared", step, state, *, steps: int) -> list[Outcome]:
+def run_starts(prep: Prepared, step, state: State, *, steps: int) -> list[Outcome]:
     """The loop of `run` for a batch of starts (`multistart`), one vmapped `step` per
     step: each start stops as `fit` from it would (non-finite loss, gradient or `p`:
     the same message; Ctrl-C: all of them), and is frozen from then on."""
-    k = int(np.shape(state[0])[0])
+    k = int(np.shape(state.p)[0])
     status: list[Status] = ["completed"] * k
     message = [f"Completed `steps` = {steps}."] * k
     history: list[list[float]] = [[] for _ in range(k)]
@@ -153,7 +154,7 @@ def run_starts(prep: "Prepared", step, state, *, steps: int) -> list[Outcome]:
                 if interrupts.requested:
                     raise KeyboardInterrupt
                 mask = jax.device_put(active)
-                state, values, oks, flags = step(*state, mask, prep.dynamic_args)
+                state, values, oks, flags = step(state, mask, prep.dynamic_args)
                 values, oks = jax.device_get((values, oks))  # one transfer
                 for i in np.flatnonzero(active):
                     if oks[i]:

@@ -17,6 +17,7 @@ import optax
 
 from . import _fit_checkpoint as ckpt
 from ._fit_step import (
+    State,
     check_loss_output,
     make_step,
     make_vmapped_step,
@@ -40,7 +41,7 @@ class Prepared:
     loss: Callable[..., Any]
     re: Restructure
     step: Callable  # the compiled step
-    state: tuple  # (p, opt_state, best_p, best_loss, last_ok), placed on p's devices
+    state: State  # placed on p's devices
     carry: ckpt.Carry  # step count and history (from a checkpoint when resuming)
     feed: Iterator  # one batch (or None) per step, the done ones skipped
     dynamic_args: Any  # the array leaves of `args`, traced
@@ -78,25 +79,25 @@ def prepare(
     if first is END:
         raise ValueError("`batches` is empty: there is nothing to train on.")
     copy = lambda: jnp.array(p, copy=True)  # `p` is donated, these two are not
-    fresh = ckpt.Carry(p, opt_state, copy(), None, copy(), 0, [])
+    fresh = ckpt.Carry(State(p, opt_state, copy(), None, copy()), 0, [])
     carry = _start(checkpoint, resume, re, fresh)  # a checkpoint is checked first
     data = tuple(args) if batch_iter is None else (first, *args)
     loss_out = jax.eval_shape(lambda q: loss(re(q), *data), p)
     check_loss_output(loss_out, p.dtype)
-    if carry.best_loss is None:
-        carry.best_loss = jnp.asarray(jnp.inf, loss_out.dtype)
+    if carry.state.best_loss is None:
+        no_loss_yet = jnp.asarray(jnp.inf, loss_out.dtype)
+        carry.state = carry.state._replace(best_loss=no_loss_yet)
     step = make_step(loss, re, optimizer, static_args, reuses_value(opt_state))
     if batch_iter is None:
         feed = itertools.repeat(None)
     else:
         feed = itertools.islice(itertools.chain([first], batch_iter), carry.step, None)
-    state = (carry.p, carry.opt_state, carry.best_p, carry.best_loss, carry.last_ok)
     total = steps if steps is not None else _len_or_none(batches)
     return Prepared(
         loss=loss,
         re=re,
         step=step,
-        state=place(state, p),
+        state=place(carry.state, p),
         carry=carry,
         feed=feed,
         dynamic_args=dynamic_args,
@@ -106,15 +107,15 @@ def prepare(
     )
 
 
-def prepare_starts(prep: Prepared, optimizer, x0s) -> tuple[Callable, tuple]:
+def prepare_starts(prep: Prepared, optimizer, x0s) -> tuple[Callable, State]:
     """The vmapped step and its state for `multistart`: every start as `prepare` would
     start `fit` from it (its own optimiser state, best and last finite points)."""
     ps = jnp.asarray(x0s, prep.re.dtype)
     opt_states = strong(jax.vmap(optimizer.init)(ps), ps.dtype)
     copy = lambda: jnp.array(ps, copy=True)  # `ps` is donated, these two are not
-    best_loss = jnp.full(len(ps), jnp.inf, prep.state[3].dtype)
-    state = (ps, opt_states, copy(), best_loss, copy())
-    reuse = reuses_value(prep.state[1])
+    best_loss = jnp.full(len(ps), jnp.inf, prep.state.best_loss.dtype)
+    state = State(ps, opt_states, copy(), best_loss, copy())
+    reuse = reuses_value(prep.state.opt_state)
     step = make_vmapped_step(prep.loss, prep.re, optimizer, prep.static_args, reuse)
     return step, state
 
@@ -168,7 +169,7 @@ def _start(checkpoint, resume, re, fresh: ckpt.Carry) -> ckpt.Carry:
         )
     if not resume:
         return fresh
-    return ckpt.read(checkpoint, re, fresh.opt_state)
+    return ckpt.read(checkpoint, re, fresh.state.opt_state)
 
 
 def _len_or_none(x) -> int | None:

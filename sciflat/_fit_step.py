@@ -1,11 +1,24 @@
 """The compiled step of `fit`: value and gradient, `optimizer.update`, `apply_updates`
 on the flat vector, with what a clean stop needs, compiled once."""
 
+import functools as ft
+from typing import Any, NamedTuple
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+
+class State(NamedTuple):
+    """The loop's one record: what a step reads and writes, and what a stop returns."""
+
+    p: Any
+    opt_state: Any
+    best_p: Any  # the lowest finite loss so far (what Ctrl-C returns)
+    best_loss: Any
+    last_ok: Any  # the last point whose loss, gradient and `p` were finite
 
 
 def strong(state, dtype):
@@ -32,8 +45,8 @@ def reuses_value(opt_state) -> bool:
 
 
 def make_body(loss, re, optimizer, static_args, reuse_value: bool):
-    """One step of `fit`, not compiled: `step(p, state, best_p, best_loss, last_ok,
-    batch, dynamic_args) -> (next state), value, ok, flags`. `ok` says whether the
+    """One step of `fit`, not compiled: `step(state, batch, dynamic_args) -> (next
+    state), value, ok, flags`. `ok` says whether the
     loss, the gradient and `p` itself are finite at `p`; when not, `flags` say which
     leaves of `p` and of the gradient are not."""
     opt = optax.with_extra_args_support(optimizer)
@@ -46,23 +59,24 @@ def make_body(loss, re, optimizer, static_args, reuse_value: bool):
         bad = (~jnp.isfinite(x)).astype(jnp.int32)
         return jax.ops.segment_max(bad, segment_ids, num_segments=len(sizes)) > 0
 
-    def step(p, state, best_p, best_loss, last_ok, batch, dynamic_args):
+    def step(state: State, batch, dynamic_args):
+        p, opt_state, best_p, best_loss, last_ok = state
         args = eqx.combine(dynamic_args, static_args)
         data = args if batch is None else (batch, *args)
         f = lambda q: loss(re(q), *data)
         if reuse_value:
-            value, grad = optax.value_and_grad_from_state(f)(p, state=state)
+            value, grad = optax.value_and_grad_from_state(f)(p, state=opt_state)
             grad = jnp.asarray(grad)  # a flat vector like `p`; Optax types it a pytree
         else:
             value, grad = jax.value_and_grad(f)(p)
-        updates, new_state = opt.update(
-            grad, state, p, value=value, grad=grad, value_fn=f
+        updates, new_opt_state = opt.update(
+            grad, opt_state, p, value=value, grad=grad, value_fn=f
         )
         new_p = optax.apply_updates(p, updates)
-        new_state = jax.tree.map(
+        new_opt_state = jax.tree.map(
             lambda new, old: jax.lax.convert_element_type(new, old.dtype),
-            new_state,
-            state,
+            new_opt_state,
+            opt_state,
         )
         # `p` too: an update can turn a leaf the loss does not read non-finite (Adam's
         # eps underflows to 0 in float16: 0 / 0), with loss and gradient still finite.
@@ -80,32 +94,39 @@ def make_body(loss, re, optimizer, static_args, reuse_value: bool):
             lambda: (jnp.zeros(n, bool), jnp.zeros(n, bool)),
             lambda: (bad_leaves(p), bad_leaves(grad)),
         )
-        return (new_p, new_state, best_p, best_loss, last_ok), value, ok, flags
+        new = State(new_p, new_opt_state, best_p, best_loss, last_ok)
+        return new, value, ok, flags
 
     return step
 
 
 def make_step(loss, re, optimizer, static_args, reuse_value: bool):
-    """The step of `fit`, compiled; `p` and the optimiser state are donated, `best_p`
-    is not, so Ctrl-C can return it."""
+    """The step of `fit`, compiled: `step(state, batch, dynamic_args)`. `p` and the
+    optimiser state are donated, `best_p` is not, so Ctrl-C can return it."""
     body = make_body(loss, re, optimizer, static_args, reuse_value)
-    return jax.jit(body, donate_argnums=(0, 1))
+
+    @ft.partial(jax.jit, donate_argnums=(0, 1))
+    def step(p, opt_state, kept, batch, dynamic_args):
+        return body(State(p, opt_state, *kept), batch, dynamic_args)
+
+    return lambda state, *rest: step(state.p, state.opt_state, state[2:], *rest)
 
 
 def make_vmapped_step(loss, re, optimizer, static_args, reuse_value: bool):
     """The same step over a batch of starts (`multistart`): every state leaf has a
     leading axis of starts, and a start that is no longer `active` (stopped) keeps
-    its state. `step(p, state, best_p, best_loss, last_ok, active, dynamic_args)`."""
+    its state. `step(state, active, dynamic_args)`; donated as `make_step`'s."""
     body = make_body(loss, re, optimizer, static_args, reuse_value)
 
-    def masked(p, state, best_p, best_loss, last_ok, active, dynamic_args):
-        old = (p, state, best_p, best_loss, last_ok)
-        new, value, ok, flags = body(*old, None, dynamic_args)
+    def step(p, opt_state, kept, active, dynamic_args):
+        old = State(p, opt_state, *kept)
+        new, value, ok, flags = body(old, None, dynamic_args)
         keep = lambda n, o: jnp.where(active, n, o)
         return jax.tree.map(keep, new, old), value, ok, flags
 
-    in_axes = (0, 0, 0, 0, 0, 0, None)
-    return jax.jit(jax.vmap(masked, in_axes=in_axes), donate_argnums=(0, 1))
+    in_axes = (0, 0, 0, 0, None)
+    steps = jax.jit(jax.vmap(step, in_axes=in_axes), donate_argnums=(0, 1))
+    return lambda state, *rest: steps(state.p, state.opt_state, state[2:], *rest)
 
 
 def check_loss_output(out, dtype) -> None:

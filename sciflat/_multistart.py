@@ -171,7 +171,7 @@ def _vmapped_fit(
         checkpoint_every=1,
         resume=None,
     )
-    x0s = _starts(starts, np.asarray(prep.state[0]), prep.re, bounds, key, filter_spec)
+    x0s = _starts(starts, np.asarray(prep.state.p), prep.re, bounds, key, filter_spec)
     step, state = prepare_starts(prep, optimizer, x0s)
     outcomes = run_starts(prep, step, state, steps=steps)
     return [_finish(prep, out, None) for out in outcomes], x0s

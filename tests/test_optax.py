@@ -14,7 +14,7 @@ import pytest
 import sciflat
 import sciflat._progress
 from helpers import float_outputs, inexact_dtypes
-from sciflat._fit_step import make_step, reuses_value, strong
+from sciflat._fit_step import State, make_step, reuses_value, strong
 
 
 # A linear least-squares problem: tiny to compile, with a closed-form answer.
@@ -221,7 +221,7 @@ def test_float64_step_computes_in_float64_only(name):
     p, re = sciflat.destructure(linear(jnp.float32), dtype=jnp.float64)
     state = strong(optimizer.init(p), p.dtype)
     step = make_step(loss, re, optimizer, (None, None), reuses_value(state))
-    args = (p, state, p, jnp.asarray(jnp.inf), p, None, xy())
+    args = (State(p, state, p, jnp.asarray(jnp.inf), p), None, xy())
     jaxpr = jax.make_jaxpr(step)(*args)
     avals = {a.str_short(short_dtypes=True) for _, a in float_outputs(jaxpr)}
     out = jax.eval_shape(step, *args)
