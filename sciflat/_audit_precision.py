@@ -2,6 +2,7 @@
 GPUs (TF32) and TPUs (bfloat16 passes) compute with fewer bits than float32 has."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ._dtypes import real_dtype
@@ -17,20 +18,23 @@ FIX = (
 
 
 def default_precision(eqn) -> np.dtype | None:
-    """The operands' dtype if `eqn` is a product of 32-bit floating operands at DEFAULT
-    precision, else None.
+    """The dtype the product computes in, if `eqn` is a product computed in a 32-bit
+    floating dtype at DEFAULT precision, else None.
 
-    `jax.default_matmul_precision` is applied when the product is traced, so the jaxpr's
-    `precision` already holds the ambient setting: None means DEFAULT.
+    A product computes in its operands' common dtype: float32 data times a float64 `p`
+    (which `jnp.matmul` hands `dot_general` as they are) is a float64 product, exact
+    on every backend. `jax.default_matmul_precision` is applied when the product is
+    traced, so the jaxpr's `precision` already holds the ambient setting: None means
+    DEFAULT.
     """
     if eqn.primitive.name not in PRODUCTS:
         return None
-    dtypes = {np.dtype(v.aval.dtype) for v in eqn.invars[:2]}
+    a, b = (v.aval.dtype for v in eqn.invars[:2])
+    dtype = np.dtype(jnp.promote_types(a, b))
     # JAX's setting concerns 32-bit inputs: float64 products are float64 everywhere.
-    bits32 = [d for d in dtypes if d.kind in "fc" and real_dtype(d).itemsize == 4]
-    if not bits32 or not _is_default(eqn.params.get("precision")):
+    if dtype.kind not in "fc" or real_dtype(dtype).itemsize != 4:
         return None
-    return bits32[0]
+    return dtype if _is_default(eqn.params.get("precision")) else None
 
 
 def _is_default(precision) -> bool:

@@ -95,9 +95,12 @@ def least_squares(
     - `method`: `"auto"` (default), `"trf"`, `"dogbox"` or `"lm"` (no bounds). `"auto"`,
         as `scipy.optimize.curve_fit` and lmfit: MINPACK's Levenberg–Marquardt
         (`"lm"`) when there are no bounds, at least as many residuals as parameters and
-        no option only `"trf"` takes (a robust `loss`, ...); `"trf"` otherwise, and
-        also, from the start again, if `"lm"` steps to non-finite residuals (it cannot
-        shrink such a step; `"trf"` can).
+        no option only `"trf"` takes (a robust `loss`, ...); `"trf"` otherwise. Every
+        method rejects a trial step to non-finite residuals and shrinks it, as in
+        SciPy. If `"lm"` met such a step, `"trf"` runs from the start too and the fit
+        with the lower cost is returned (an overflowing problem can lead either to a
+        poorer minimum); if `"lm"` stopped at a non-finite Jacobian, `"trf"` is run
+        instead.
     - `callback`: `callback(step, cost, model)` after every iteration (every
         Jacobian); a true return value stops the fit, as in [`sciflat.minimize`][].
     - `**kwargs`: passed to `scipy.optimize.least_squares` (`ftol`, `x_scale`,
@@ -143,13 +146,34 @@ def least_squares(
         )
         return tracker, *solved
 
-    tracker, res, status, message, x, value = attempt(method)
+    tracker, res, status, message, x, value, n_rejected = attempt(method)
     n_calls = tracker.n_calls
-    if fallback and status == "nonfinite":
-        method = "trf"
-        tracker, res, status, message, x, value = attempt(method)
-        n_calls += tracker.n_calls
-        message += " (`lm` stepped to non-finite residuals; `trf` ran from the start.)"
+    # MINPACK rejects a trial step to non-finite residuals and shrinks it, as SciPy's
+    # `lm` does; but a problem that overflows may have led it to a poorer minimum
+    # (NIST BoxBOD from Start 1, where `curve_fit` ends at a constant): then `trf`
+    # runs from the start too, and the lower cost wins. A stop (a non-finite
+    # Jacobian) hands over to `trf` outright.
+    if fallback and (status == "nonfinite" or n_rejected):
+        lm = (tracker, res, status, message, x, value)
+        trf = attempt("trf")[:6]
+        n_calls += trf[0].n_calls
+        lm_better = status != "nonfinite" and (
+            trf[2] == "nonfinite" or not float(trf[5]) < float(value)
+        )
+        tracker, res, status, message, x, value = lm if lm_better else trf
+        if lm_better:
+            message += (
+                f" (`lm` rejected {n_rejected} trial steps to non-finite residuals;"
+                f" `trf`, run from the start too, ended at cost {float(trf[5]):.6g}.)"
+            )
+        else:
+            method = "trf"
+            why = (
+                "stopped at non-finite values"
+                if lm[2] == "nonfinite"
+                else f"stepped to non-finite residuals and ended at cost {float(lm[5]):.6g}"
+            )
+            message += f" (`lm` {why}; `trf` ran from the start.)"
     p = jnp.asarray(np.asarray(x, dtype=np.float64))
     # Standard errors from the Jacobian at the solution: SciPy's own (for the linear
     # loss, `res.jac` is the Jacobian at `res.x`), or one more Jacobian call.
@@ -177,16 +201,21 @@ def least_squares(
 
 
 def _solve(method, start, lb_ub, res_fn, jac_fn, leaves, re, tracker, limit, kwargs):
-    """One run of SciPy's `least_squares`: `(raw, status, message, x, cost)`."""
+    """One run of SciPy's `least_squares`: `(raw, status, message, x, cost,
+    rejected)`, `rejected` the number of trial points with non-finite residuals."""
     ahead = _JacobianAhead(jac_fn, leaves)
+    rejected = [0]
 
     def fun(x):
         out = np.array(res_fn(x, leaves))
         # Finite residuals whose sum of squares overflows are not an error: SciPy's
-        # cost is then inf and it shrinks the step (NIST BoxBOD from Start 1). A
-        # finite cost means finite residuals: only a non-finite one needs a look.
+        # cost is then inf and it shrinks the step (NIST BoxBOD from Start 1). Nor
+        # are non-finite residuals at a trial point: both `trf` (it checks) and
+        # MINPACK (NaN or inf fails its reduction test) reject the step and shrink
+        # it, as in SciPy. Only at the start is there no step to reject.
         cost = _cost(out)
-        if not math.isfinite(cost) and not np.isfinite(out).all():
+        start = tracker.n_calls == 0
+        if start and not math.isfinite(cost) and not np.isfinite(out).all():
             jac = np.asarray(jac_fn(x, leaves))
             where = f"call {tracker.n_calls + 1} (iteration {len(tracker.history)})"
             raise NonFinite(
@@ -199,7 +228,10 @@ def _solve(method, start, lb_ub, res_fn, jac_fn, leaves, re, tracker, limit, kwa
                     "Jacobian",
                 )
             )
-        ahead.start(x)
+        if math.isfinite(cost):  # a rejected point needs no Jacobian
+            ahead.start(x)
+        elif not np.isfinite(out).all():
+            rejected[0] += 1
         tracker.seen(x, cost)
         return out
 
@@ -243,7 +275,7 @@ def _solve(method, start, lb_ub, res_fn, jac_fn, leaves, re, tracker, limit, kwa
                 f" Raise `max_nfev` (it was {kwargs['max_nfev']}) to go further, or"
                 " start closer."
             )
-    return res, status, message, x, value
+    return res, status, message, x, value, rejected[0]
 
 
 class _JacobianAhead:

@@ -283,6 +283,18 @@ def test_a_fit_whose_standard_errors_cannot_be_computed_is_returned(case):
     assert "so the standard errors cannot be computed" in str(res)
 
 
+def test_a_non_finite_hessian_gives_undefined_standard_errors_not_an_error():
+    # The Hessian route of the same defect: d²/da² sqrt(a t) is NaN at t = 0.
+    t = np.linspace(0, 3, 10)
+    sse = lambda m, t, y: jnp.sum((jnp.sqrt(m["a"] * t) - y) ** 2)
+    res = mini(sse, {"a": 1.0}, (jnp.asarray(t), jnp.asarray(np.sqrt(2 * t))))
+    got = sciflat.hessian_uncertainty(
+        res, sse, args=(t, np.sqrt(2 * t)), scale="sse", n_data=10
+    )
+    assert np.isnan(got.stderr["a"]) and got.loss == res.loss
+    assert "Hessian at `p` is non-finite" in str(got)
+
+
 def test_tied_parameters_count_once_and_frozen_have_none(line_data):
     x, y = line_data
     slope = jnp.asarray(1.0)

@@ -284,3 +284,23 @@ def test_fits_trace_under_the_context_and_retrace_when_it_changes(which):
         # ...and a new setting is traced anew (a stale function would record nothing).
         assert seen or setting in done, (which, setting)
         done.add(setting)
+
+
+def test_a_product_is_judged_by_the_dtype_it_computes_in():
+    # float32 data times a float64 `p`: `dot_general` gets the operands as they are
+    # and computes (and returns) float64, exact on a GPU too; it was listed as a
+    # float32 product, so `assert_dtypes(..., precision=None)` failed a correct
+    # program. The reference: the same product with the data cast to float64 first.
+    x = jnp.asarray(np.linspace(0.0, 1.0, 12).reshape(3, 4), jnp.float32)
+    mixed = lambda p: jnp.sum(x @ p.reshape(4, 4))
+    cast = lambda p: jnp.sum(x.astype(p.dtype) @ p.reshape(4, 4))
+    p = jnp.ones(16)
+    eqns = jax.make_jaxpr(mixed)(p).eqns
+    (dot,) = [e for e in eqns if e.primitive.name == "dot_general"]
+    assert {np.dtype(v.aval.dtype) for v in dot.invars} == {F32, np.dtype(np.float64)}
+    assert dot.outvars[0].aval.dtype == jnp.float64
+    for f in (mixed, cast):
+        assert sciflat.audit_dtypes(f, p).precision == ()
+        sciflat.assert_dtypes(f, p, precision=True)  # what `None` does on a GPU
+    # A float32 product is still one: float32 data times a float32 `p`.
+    assert sciflat.audit_dtypes(mixed, p.astype(jnp.float32)).precision != ()

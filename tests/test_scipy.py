@@ -622,7 +622,9 @@ def test_nan_in_the_loss_stops_cleanly_naming_the_leaves():
 
 
 def test_nan_in_the_residuals_stops_cleanly():
-    model = Quad(jnp.zeros(3), jnp.asarray(0.0))
+    # NaN residuals at the start (a > 0.3): there is no step to reject. (NaN at a
+    # trial point is a rejected step: test_a_trial_step_to_non_finite_residuals_...)
+    model = Quad(jnp.full(3, 0.5), jnp.asarray(0.0))
     res = sciflat.least_squares(
         lambda m, c: jnp.sqrt(0.3 - m.a) - c + m.b, model, args=(C,), progress=False
     )
@@ -630,6 +632,54 @@ def test_nan_in_the_residuals_stops_cleanly():
     assert "residuals are non-finite" in res.message
     assert "the Jacobian is non-finite in `.a`." in res.message
     assert np.isfinite(res.p).all()
+
+
+def test_a_trial_step_to_non_finite_residuals_is_rejected_as_in_scipy():
+    # sciflat's `trf` stopped at the first trial point with NaN residuals (a > 0.3)
+    # where SciPy's rejects the step and goes on. The reference: SciPy's own `trf`
+    # with the same Jacobian, start and options, iterate for iterate.
+    f = lambda m, c: jnp.sqrt(0.3 - m.a) - c + m.b
+    model = Quad(jnp.zeros(3), jnp.asarray(0.0))
+    res = sciflat.least_squares(f, model, args=(C,), method="trf", progress=False)
+    p0, re = sciflat.destructure(model)
+    r = jax.jit(lambda p: f(re(p), C))
+    jac = jax.jit(jax.jacfwd(lambda p: f(re(p), C)))
+    tol = dict(ftol=1e-12, xtol=1e-12, gtol=1e-12, max_nfev=2000 * 5)
+    with np.errstate(invalid="ignore"):
+        ref = scipy.optimize.least_squares(
+            lambda p: np.asarray(r(p)),
+            np.asarray(p0),
+            jac=lambda p: np.asarray(jac(p)),
+            method="trf",
+            **tol,
+        )
+    assert not np.isfinite(r(p0.at[0].set(0.5))).all()  # NaN beyond
+    assert res.status == "converged" and ref.success, res.message
+    np.testing.assert_allclose(res.p, ref.x, rtol=1e-12, atol=1e-14)
+    assert res.raw.nfev == ref.nfev and res.loss == pytest.approx(ref.cost, abs=1e-20)
+
+
+def test_auto_keeps_minpack_when_a_trial_step_overflows():
+    # MINPACK rejects the two trial steps that overflow and finds the exact fit, as
+    # SciPy's own `least_squares(method="lm")` and `curve_fit` do; `auto` abandoned it
+    # for `trf`, which reported success at a wrong fit (b = 3237, chi^2 2.47).
+    t = np.linspace(0, 1, 20)
+    y = np.exp(-25 * (t - 0.7) ** 2)
+    gauss = lambda m, t, y: m["a"] * jnp.exp(-m["b"] * (t - m["mu"]) ** 2) + m["c"] - y
+    start = {"a": 1.0, "b": 20.0, "c": 0.0, "mu": 1.2}
+    res = sciflat.least_squares(gauss, start, args=(t, y), progress=False)
+    g = lambda t, a, b, c, mu: a * np.exp(-b * (t - mu) ** 2) + c
+    with np.errstate(over="ignore", invalid="ignore"):
+        fitted = scipy.optimize.curve_fit(g, t, y, p0=[1.0, 20.0, 0.0, 1.2])[0]
+        own = scipy.optimize.least_squares(
+            lambda x: g(t, *x) - y, [1.0, 20.0, 0.0, 1.2], method="lm"
+        ).x
+    want = {"a": 1.0, "b": 25.0, "c": 0.0, "mu": 0.7}
+    for i, name in enumerate(want):
+        for ref in (fitted, own):  # SciPy's tolerances (1e-8): to 1e-6
+            assert ref[i] == pytest.approx(want[name], abs=1e-6)
+        assert float(res.model[name]) == pytest.approx(want[name], abs=1e-10), name
+    assert res.success and res.chisqr < 1e-20 and "method: lm" in res.message
 
 
 @pytest.mark.parametrize("fit", ["minimize", "least_squares"])
