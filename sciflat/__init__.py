@@ -6,6 +6,7 @@ from ._audit import assert_dtypes as assert_dtypes, audit_dtypes as audit_dtypes
 from ._audit_report import DtypeReport as DtypeReport, Finding as Finding
 from ._diffrax import VectorField as VectorField, vector_field as vector_field
 from ._flatten import Restructure as Restructure, destructure as destructure
+from ._hessian import hessian_uncertainty as hessian_uncertainty
 from ._io import load as load, save as save
 from ._report import plot_fit as plot_fit
 from ._result import FitResult as FitResult
@@ -17,10 +18,7 @@ from ._transforms import (
     Transform as Transform,
     unwrap as unwrap,
 )
-from ._uncertainty import (
-    Uncertainty as Uncertainty,
-    hessian_uncertainty as hessian_uncertainty,
-)
+from ._uncertainty import Uncertainty as Uncertainty
 
 
 # The fits load Optax, `scipy.optimize` and tqdm: imported on first use, so that
