@@ -12,6 +12,7 @@ from jaxtyping import Array, ArrayLike, Shaped
 from ._custom_types import PyTree
 from ._dtypes import complex_dtype, is_complex, is_inexact, real_dtype
 from ._flatten import Restructure
+from ._transforms import raw_to_values, unwrap
 
 
 Signature = Literal["y", "t,y", "t,y,args"]
@@ -42,6 +43,10 @@ class VectorField(eqx.Module):
             # The flat vector: rebuilt at every evaluation, inside Diffrax's loop.
             dtype = np.dtype(params.dtype)
             model = self.re(params)
+        # The model sees constrained values, as a fit's loss does: `re(p)` holds each
+        # `sciflat.Positive` & co. as its node (`raw`), which the model cannot compute
+        # with. Inside the loop, as the hand-written `softplus(raw)` would be.
+        model = unwrap(model)
         _check_state(y, dtype, "`y`")
         # Time is not a parameter: it reaches the model in `p.dtype`, so a float64
         # time axis never promotes a float32 model (nor the reverse).
@@ -56,14 +61,14 @@ class VectorField(eqx.Module):
         return out
 
     def _is_model(self, x) -> bool:
-        return jax.tree.structure(x) == self._model_structure()
+        return jax.tree.structure(x) in self._model_structures()
 
-    def _model_structure(self):
-        if not self.re._ties:
-            return self.re._spec.treedef
-        # A tie given to `destructure` may replace a whole submodule: ask `re`.
-        p = jax.ShapeDtypeStruct((len(self.re),), self.re.dtype)
-        return jax.tree.structure(eqx.filter_eval_shape(self.re, p))
+    def _model_structures(self) -> tuple[Any, Any]:
+        """The structures of `re(p)` and of `sciflat.unwrap(re(p))`, the model a fit
+        hands its loss (each transform node replaced by one array)."""
+        treedef = self.re._structure()
+        marks = jtu.tree_unflatten(treedef, [object()] * treedef.num_leaves)
+        return treedef, jax.tree.structure(raw_to_values(marks))
 
     def _split(self, args):
         """`args` as `(model or p, extra)`."""
@@ -81,7 +86,7 @@ class VectorField(eqx.Module):
             "`args` of `diffeqsolve` must be the model rebuilt by `re(p)` (or "
             "`(re(p), extra)`, where `extra` is handed to the model as its own "
             f"`args`), or the flat vector `p` (or `(p, extra)`); got {got}. The model "
-            f"has structure {self._model_structure()}."
+            f"has structure {self._model_structures()[0]}."
         )
 
 
