@@ -415,3 +415,67 @@ def test_a_failing_loss_mid_fit_leaves_only_complete_checkpoints(tmp_path):
     with np.load(tmp_path / "ckpt.npz", allow_pickle=False) as z:
         assert len(z["history"]) == 3  # step 3's checkpoint, complete
     assert sciflat.load(tmp_path / "ckpt.npz", RE).shape == P.shape
+
+
+#
+# Issue 23, items 17-21: where two features meet, the error says what is wrong and
+# the fix.
+#
+
+POS_MODEL = {"w": sciflat.Positive(1.0), "b": jnp.asarray(0.0)}
+POS_RESIDUALS = lambda m: jnp.stack([m["w"] - 2.0, m["b"]])
+
+
+@pytest.mark.parametrize(
+    "bounds",
+    [
+        {"['w']": (0.0, 5.0)},
+        {"w": (0.0, 5.0)},
+        {lambda m: m["w"]: (0.0, 5.0)},
+        ({"w": 0.0, "b": None}, {"w": 5.0, "b": None}),
+    ],
+    ids=["path", "bare key", "lambda", "pytrees"],
+)
+@pytest.mark.parametrize("name", ["least_squares", "minimize"])
+def test_bounds_on_a_transformed_leaf_name_the_transform(name, bounds):
+    f = (
+        POS_RESIDUALS
+        if name == "least_squares"
+        else lambda m: jnp.sum(POS_RESIDUALS(m) ** 2)
+    )
+    with pytest.raises(ValueError) as info:
+        getattr(sciflat, name)(f, POS_MODEL, bounds=bounds, progress=False)
+    text = str(info.value)
+    assert "`['w']` is a `sciflat.Positive`" in text, text
+    assert "would bound the unconstrained `raw`" in text and "sciflat.Interval" in text
+    assert "\\'" not in text  # no nested repr
+
+
+def test_bounds_for_an_unknown_leaf_quote_paths_once():
+    with pytest.raises(ValueError) as info:
+        sciflat.least_squares(
+            POS_RESIDUALS, POS_MODEL, bounds={"zz": (0, 1)}, progress=False
+        )
+    text = str(info.value)
+    assert "`zz` does not pick a trainable leaf" in text and "\\'" not in text, text
+    assert "`['b']`, `['w'].raw`" in text, text
+
+
+def test_bounds_on_raw_itself_are_taken_as_asked():
+    res = sciflat.least_squares(
+        POS_RESIDUALS, POS_MODEL, bounds={"['w'].raw": (None, 1.0)}, progress=False
+    )
+    # The bound is on raw: softplus(1.0) = 1.3133 is the closest to 2 it allows.
+    np.testing.assert_allclose(sciflat.unwrap(res.model)["w"], jax.nn.softplus(1.0))
+
+
+def test_model_shaped_bounds_may_leave_a_transformed_leaf_unbounded():
+    lower, upper = {"w": None, "b": -1.0}, {"w": None, "b": 1.0}
+    res = sciflat.least_squares(
+        lambda m: jnp.stack([m["w"] - 2.0, m["b"] - 3.0]),
+        POS_MODEL,
+        bounds=(lower, upper),
+        progress=False,
+    )
+    np.testing.assert_allclose(sciflat.unwrap(res.model)["w"], 2.0)
+    np.testing.assert_allclose(res.model["b"], 1.0)  # at its bound
