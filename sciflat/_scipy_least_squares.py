@@ -134,7 +134,10 @@ def least_squares(
 
     tracker, res, status, message, x, value = attempt(method)
     n_calls = tracker.n_calls
-    if fallback and status == "nonfinite":
+    if status == "nonfinite" and tracker.best_x is None:  # at the start: say why
+        r0 = np.asarray(res_fn(start, leaves))
+        message, n_calls = sp.nonfinite_start_message("The residuals are", args, r0), 1
+    elif fallback and status == "nonfinite":
         method = "trf"
         tracker, res, status, message, x, value = attempt(method)
         n_calls += tracker.n_calls
@@ -354,7 +357,7 @@ def _cost(residuals: np.ndarray) -> float:
 
 def _build(kind: str, residuals, re, rebuild, mode: str) -> Callable:
     def r(x, leaves):
-        out = jnp.ravel(residuals(re(x), *rebuild(leaves)))
+        out = sp.residual_vector(residuals(re(x), *rebuild(leaves)))
         sp.check_float64(out, "The residuals")
         return out
 

@@ -150,7 +150,9 @@ def minimize(
             )
 
     res, status, message, x, value = sp.run(call, tracker, start)
-    n = len(tracker.history)
+    n, n_calls = len(tracker.history), tracker.n_calls
+    if status == "nonfinite" and tracker.best_x is None:  # at the start: say why
+        message, n_calls = sp.nonfinite_start_message("The loss is", args), 1
     if res is not None:
         status, value, n = _status(res), float(res.fun), int(res.get("nit", n))
     p = jnp.asarray(np.asarray(x, dtype=np.float64))
@@ -164,7 +166,7 @@ def minimize(
         n_steps=n,
         raw=res,
         re=re,
-        n_evaluations=tracker.n_calls,
+        n_evaluations=n_calls,
     )
 
 

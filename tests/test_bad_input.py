@@ -479,3 +479,80 @@ def test_model_shaped_bounds_may_leave_a_transformed_leaf_unbounded():
     )
     np.testing.assert_allclose(sciflat.unwrap(res.model)["w"], 2.0)
     np.testing.assert_allclose(res.model["b"], 1.0)  # at its bound
+
+
+LINE_X = np.linspace(0.0, 1.0, 5)
+LINE_Y = 2.0 * LINE_X + 1.0
+LINE_START = {"a": 1.0, "b": 0.5}
+line_residuals = lambda m, x, y: m["a"] + m["b"] * x - y
+
+
+def test_complex_residuals_or_loss_must_be_real():
+    complex_residuals = lambda m, x, y: line_residuals(m, x, y) * (1 + 0j)
+    with pytest.raises(TypeError) as info:
+        sciflat.least_squares(
+            complex_residuals, LINE_START, args=(LINE_X, LINE_Y), progress=False
+        )
+    text = str(info.value)
+    assert "The residuals must be real: expected float64, got complex128" in text
+    assert "r.real, r.imag" in text and "casts" not in text, text
+    complex_loss = lambda m, x, y: jnp.sum(complex_residuals(m, x, y) ** 2)
+    with pytest.raises(TypeError, match="The loss must be real: expected float64"):
+        sciflat.minimize(
+            complex_loss, LINE_START, args=(LINE_X, LINE_Y), progress=False
+        )
+
+
+def test_float32_residuals_still_point_to_the_cast():
+    cast = lambda m, x, y: line_residuals(m, x, y).astype(jnp.float32)
+    with pytest.raises(TypeError, match="audit_dtypes"):
+        sciflat.least_squares(cast, LINE_START, args=(LINE_X, LINE_Y), progress=False)
+
+
+def test_pytree_residuals_say_what_is_expected():
+    as_dict = lambda m, x, y: {"r": line_residuals(m, x, y)}
+    with pytest.raises(TypeError) as info:
+        sciflat.least_squares(
+            as_dict, LINE_START, args=(LINE_X, LINE_Y), progress=False
+        )
+    text = str(info.value)
+    assert "`residuals` must return an array" in text and "got dict" in text, text
+    assert "ravel_pytree" in text and "requires ndarray" not in text, text
+
+
+@pytest.mark.parametrize("method", ["auto", "trf", "lm"])
+def test_nan_in_the_data_names_the_args_entry_and_indices(method):
+    y = LINE_Y.copy()
+    y[[1, 3]] = np.nan
+    res = sciflat.least_squares(
+        line_residuals, LINE_START, args=(LINE_X, y), method=method, progress=False
+    )
+    assert res.status == "nonfinite"
+    text = res.message
+    assert "at the start" in text and "residuals [1, 3]" in text, text
+    assert "`args[1]` is non-finite at [1, 3]" in text, text
+    assert "stepped" not in text and "best finite point" not in text, text
+    assert res.n_evaluations == 1 and "function evals:      1" in str(res)
+    np.testing.assert_array_equal(res.p, [1.0, 0.5])  # the start, untouched
+
+
+def test_nan_in_the_data_of_minimize_names_the_args_entry():
+    x = LINE_X.copy()
+    x[2] = np.inf
+    loss = lambda m, x, y: jnp.sum(line_residuals(m, x, y) ** 2)
+    res = sciflat.minimize(loss, LINE_START, args=(x, LINE_Y), progress=False)
+    assert res.status == "nonfinite"
+    assert (
+        "at the start" in res.message
+        and "`args[0]` is non-finite at [2]" in res.message
+    )
+    assert "best finite point" not in res.message, res.message
+
+
+def test_a_start_nonfinite_without_bad_data_says_so():
+    # The data are finite; the model is not at the start (log of a negative number).
+    bad = lambda m, x, y: jnp.log(m["b"] - 1.0) * x - y
+    res = sciflat.least_squares(bad, LINE_START, args=(LINE_X, LINE_Y), progress=False)
+    assert (
+        "at the start" in res.message and "the data in `args` are finite" in res.message
+    )
