@@ -556,3 +556,19 @@ def test_a_start_nonfinite_without_bad_data_says_so():
     assert (
         "at the start" in res.message and "the data in `args` are finite" in res.message
     )
+
+
+@pytest.mark.parametrize("fit_name", ["least_squares", "minimize"])
+def test_an_untied_start_for_a_tied_model_names_the_tie(fit_name):
+    w = jnp.asarray([1.0, 2.0])
+    tied = {"a": w, "b": w, "c": jnp.asarray(0.5)}  # `b` is `a`: one array in `p`
+    untied = {"a": jnp.asarray([1.0, 2.0]), "b": jnp.asarray([3.0, 4.0]), "c": 0.5}
+    res = lambda m: jnp.concatenate([m["a"] - 1.0, m["b"] - 2.0, m["c"][None]])
+    f = res if fit_name == "least_squares" else lambda m: jnp.sum(res(m) ** 2)
+    with pytest.raises(ValueError) as info:
+        sciflat.multistart(
+            getattr(sciflat, fit_name), f, tied, [tied, untied], progress=False
+        )
+    text = str(info.value)
+    assert "`starts[1]` does not have the model's ties" in text, text
+    assert "`['b']` is tied to `['a']`" in text and "same shape" not in text, text
