@@ -1,6 +1,8 @@
 """Diffrax right-hand sides for a destructured model: `diffeqsolve(..., args=re(p))`."""
 
-from typing import Any, Literal
+import functools as ft
+from collections.abc import Callable
+from typing import Any, Literal, ParamSpec, TypeVar
 
 import equinox as eqx
 import jax
@@ -15,6 +17,8 @@ from ._flatten import Restructure
 from ._transforms import raw_to_values, unwrap
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 Signature = Literal["y", "t,y", "t,y,args"]
 _SIGNATURES = ("y", "t,y", "t,y,args")
 
@@ -144,6 +148,26 @@ def _check_state(y, dtype: np.dtype, what: str, like=None) -> None:
             )
 
 
+def _no_args_flag(f: Callable[_P, _R]) -> Callable[_P, _R]:
+    """`vector_field(re, args="model")`, the flag of an earlier version: a TypeError
+    naming the fix, not Python's "unexpected keyword argument"."""
+
+    @ft.wraps(f)
+    def checked(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        if "args" in kwargs:
+            raise TypeError(
+                f"`vector_field` no longer takes `args=` (got {kwargs['args']!r}): the "
+                "field reads what Diffrax's `args` holds, the model `re(p)` or the flat "
+                "vector `p`, by its structure. Write `sciflat.vector_field(re)` (or "
+                "`sciflat.vector_field(re, signature)`) and pass `args=re(p)` to "
+                "`diffeqsolve`."
+            )
+        return f(*args, **kwargs)
+
+    return checked
+
+
+@_no_args_flag
 def vector_field(
     re: Restructure[Any], signature: Signature = "t,y,args"
 ) -> VectorField:

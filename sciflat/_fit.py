@@ -15,6 +15,7 @@ import numpy as np
 from jax.typing import DTypeLike
 
 from . import _fit_checkpoint as ckpt
+from ._calls import data_by_keyword
 from ._custom_types import FilePath, FilterSpec, PyTree
 from ._fit_loop import Outcome, deleted, run
 from ._fit_prepare import Prepared, prepare
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 _M = TypeVar("_M")
 
 
+@data_by_keyword  # `fit(loss, model, opt, x, y)`: a TypeError naming `args=`
 def fit(
     loss: Callable[..., Any],
     model: _M,

@@ -5,7 +5,7 @@ import contextlib
 import functools as ft
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
-from typing import Any, Literal, ParamSpec, TypeVar
+from typing import Any, Literal
 
 import equinox as eqx
 import jax
@@ -13,6 +13,7 @@ import jax.core  # `jax.core.Tracer`: imported explicitly so type checkers see i
 import jax.numpy as jnp
 import numpy as np
 
+from ._calls import data_by_keyword as data_by_keyword
 from ._dtypes import X64_FIX, x64_enabled
 from ._flatten import Restructure, destructure
 from ._layout import names as _names, nonfinite_paths
@@ -156,29 +157,6 @@ def _by_structure(
     _BY_STRUCTURE.move_to_end(key)
     unique = [x for i, x in enumerate(leaves) if ties[i] == i]
     return np.concatenate([np.asarray(x, np.float64).ravel() for x in unique]), re
-
-
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
-
-
-def data_by_keyword(fit: Callable[_P, _R]) -> Callable[_P, _R]:
-    """Turn data passed after the model (the old `*args`) into a clear error."""
-    who = fit.__name__
-
-    @ft.wraps(fit)
-    def checked(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        if len(args) > 2:
-            n = len(args) - 2
-            raise TypeError(
-                f"`{who}` takes the data of the loss as `args=(...)`, a tuple (as "
-                f"`scipy.optimize.{who}` and `sciflat.fit` do), but got {n} positional "
-                f"argument{'s' * (n > 1)} after `model`: write "
-                f"`sciflat.{who}(loss, model, args=(x, y), ...)`."
-            )
-        return fit(*args, **kwargs)
-
-    return checked
 
 
 def check_args(args, who: str) -> tuple:

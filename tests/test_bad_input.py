@@ -572,3 +572,27 @@ def test_an_untied_start_for_a_tied_model_names_the_tie(fit_name):
     text = str(info.value)
     assert "`starts[1]` does not have the model's ties" in text, text
     assert "`['b']` is tied to `['a']`" in text and "same shape" not in text, text
+
+
+@pytest.mark.parametrize("flag", ["model", "p"])
+def test_vector_field_old_args_flag_names_the_fix(flag):
+    _, re = sciflat.destructure({"w": jnp.asarray(1.0)})
+    with pytest.raises(TypeError) as info:
+        sciflat.vector_field(re, args=flag)  # pyright: ignore[reportCallIssue]
+    text = str(info.value)
+    assert "no longer takes `args=`" in text and "sciflat.vector_field(re)" in text
+    assert "unexpected keyword" not in text, text
+
+
+def test_fit_with_data_after_the_optimiser_names_args():
+    import optax
+
+    loss = lambda m, x, y: jnp.sum((m["w"] * x - y) ** 2)
+    with pytest.raises(TypeError) as info:
+        sciflat.fit(loss, {"w": 1.0}, optax.adam(0.1), LINE_X, LINE_Y)  # pyright: ignore[reportCallIssue]
+    text = str(info.value)
+    assert "got 2 positional arguments after `optimizer`" in text, text
+    assert "sciflat.fit(loss, model, optimizer, args=(x, y), ...)" in text, text
+    # The SciPy fits, by the same check.
+    with pytest.raises(TypeError, match=r"after `model`: write `sciflat.minimize\("):
+        sciflat.minimize(loss, {"w": 1.0}, LINE_X, LINE_Y)  # pyright: ignore[reportCallIssue]
