@@ -1,6 +1,8 @@
 """Diffrax right-hand sides for a destructured model: `diffeqsolve(..., args=re(p))`."""
 
-from typing import Any, Literal
+import functools as ft
+from collections.abc import Callable
+from typing import Any, Literal, ParamSpec, TypeVar
 
 import equinox as eqx
 import jax
@@ -12,8 +14,11 @@ from jaxtyping import Array, ArrayLike, Shaped
 from ._custom_types import PyTree
 from ._dtypes import complex_dtype, is_complex, is_inexact, real_dtype
 from ._flatten import Restructure
+from ._transforms import raw_to_values, unwrap
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 Signature = Literal["y", "t,y", "t,y,args"]
 _SIGNATURES = ("y", "t,y", "t,y,args")
 
@@ -42,6 +47,10 @@ class VectorField(eqx.Module):
             # The flat vector: rebuilt at every evaluation, inside Diffrax's loop.
             dtype = np.dtype(params.dtype)
             model = self.re(params)
+        # The model sees constrained values, as a fit's loss does: `re(p)` holds each
+        # `sciflat.Positive` & co. as its node (`raw`), which the model cannot compute
+        # with. Inside the loop, as the hand-written `softplus(raw)` would be.
+        model = unwrap(model)
         _check_state(y, dtype, "`y`")
         # Time is not a parameter: it reaches the model in `p.dtype`, so a float64
         # time axis never promotes a float32 model (nor the reverse).
@@ -56,14 +65,14 @@ class VectorField(eqx.Module):
         return out
 
     def _is_model(self, x) -> bool:
-        return jax.tree.structure(x) == self._model_structure()
+        return jax.tree.structure(x) in self._model_structures()
 
-    def _model_structure(self):
-        if not self.re._ties:
-            return self.re._spec.treedef
-        # A tie given to `destructure` may replace a whole submodule: ask `re`.
-        p = jax.ShapeDtypeStruct((len(self.re),), self.re.dtype)
-        return jax.tree.structure(eqx.filter_eval_shape(self.re, p))
+    def _model_structures(self) -> tuple[Any, Any]:
+        """The structures of `re(p)` and of `sciflat.unwrap(re(p))`, the model a fit
+        hands its loss (each transform node replaced by one array)."""
+        treedef = self.re._structure()
+        marks = jtu.tree_unflatten(treedef, [object()] * treedef.num_leaves)
+        return treedef, jax.tree.structure(raw_to_values(marks))
 
     def _split(self, args):
         """`args` as `(model or p, extra)`."""
@@ -81,7 +90,7 @@ class VectorField(eqx.Module):
             "`args` of `diffeqsolve` must be the model rebuilt by `re(p)` (or "
             "`(re(p), extra)`, where `extra` is handed to the model as its own "
             f"`args`), or the flat vector `p` (or `(p, extra)`); got {got}. The model "
-            f"has structure {self._model_structure()}."
+            f"has structure {self._model_structures()[0]}."
         )
 
 
@@ -139,6 +148,26 @@ def _check_state(y, dtype: np.dtype, what: str, like=None) -> None:
             )
 
 
+def _no_args_flag(f: Callable[_P, _R]) -> Callable[_P, _R]:
+    """`vector_field(re, args="model")`, the flag of an earlier version: a TypeError
+    naming the fix, not Python's "unexpected keyword argument"."""
+
+    @ft.wraps(f)
+    def checked(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        if "args" in kwargs:
+            raise TypeError(
+                f"`vector_field` no longer takes `args=` (got {kwargs['args']!r}): the "
+                "field reads what Diffrax's `args` holds, the model `re(p)` or the flat "
+                "vector `p`, by its structure. Write `sciflat.vector_field(re)` (or "
+                "`sciflat.vector_field(re, signature)`) and pass `args=re(p)` to "
+                "`diffeqsolve`."
+            )
+        return f(*args, **kwargs)
+
+    return checked
+
+
+@_no_args_flag
 def vector_field(
     re: Restructure[Any], signature: Signature = "t,y,args"
 ) -> VectorField:

@@ -19,6 +19,7 @@ from ._custom_types import FilePath, FilterSpec, PyTree
 from ._fit_loop import Outcome, deleted, run
 from ._fit_prepare import Prepared, prepare
 from ._layout import names, nonfinite_paths
+from ._problem import data_by_keyword
 from ._result import FitResult
 
 
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 _M = TypeVar("_M")
 
 
+@data_by_keyword  # `fit(loss, model, opt, x, y)`: a TypeError naming `args=`
 def fit(
     loss: Callable[..., Any],
     model: _M,

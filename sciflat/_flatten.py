@@ -239,6 +239,14 @@ class Restructure(eqx.Module, Generic[_M]):
         """Path of every trainable leaf position, in `p` order (tied ones share a slot)."""
         return tuple(path for slot in self._spec.slots for path in slot.paths)
 
+    def _structure(self) -> Any:  # a PyTreeDef
+        """The tree structure of `re(p)`, without rebuilding it when no tie can change
+        it (a tie given to `destructure` may replace a whole submodule)."""
+        if not self._ties:
+            return self._spec.treedef
+        p = jax.ShapeDtypeStruct((self._spec.size,), self._spec.dtype)
+        return jtu.tree_structure(eqx.filter_eval_shape(self, p))
+
     def _marked(self):
         """The model's structure with a `_Mark(i)` in place of leaf `i`."""
         marks = [_Mark(i) for i in range(len(self._spec.kinds))]

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._transforms import constrained, value_names
+from ._transforms import constrained, unwrap, value_names
 
 
 if TYPE_CHECKING:
@@ -108,15 +108,26 @@ def plot_fit(
     **Arguments:**
 
     - `result`: a [`sciflat.FitResult`][].
-    - `predict`: `predict(model, x) -> y`, the model's prediction at `x`.
+    - `predict`: `predict(model, x) -> y`, the model's prediction at `x`. It gets the
+        model the residuals saw: `sciflat.unwrap(result.model)`, each transform
+        (`sciflat.Positive`, ...) replaced by its constrained value.
     - `x`, `y`: the data (1-d).
     - `ax`: a pair of matplotlib axes to draw into (default: a new figure).
 
     **Returns:**
 
     The matplotlib `Figure`.
+
+    matplotlib is not a dependency of sciflat: `pip install 'sciflat[plot]'`.
     """
-    import matplotlib.pyplot as plt
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ImportError(
+            "`sciflat.plot_fit` draws with matplotlib, which is not installed (it is "
+            "not a dependency of sciflat): `pip install 'sciflat[plot]'` (or "
+            "`pip install matplotlib`)."
+        ) from e
 
     x, y = np.asarray(x), np.asarray(y)
     if ax is None:
@@ -126,7 +137,7 @@ def plot_fit(
     else:
         fig = ax[0].figure
     order = np.argsort(x)
-    fitted = np.asarray(predict(result.model, x))
+    fitted = np.asarray(predict(unwrap(result.model), x))
     ax[0].plot(x, y, "o", ms=3, label="data")
     ax[0].plot(x[order], fitted[order], label="fit")
     ax[0].legend()

@@ -7,7 +7,29 @@ import jax
 import numpy as np
 
 from ._flatten import Restructure
-from ._layout import TRAINABLE, Leaf
+from ._layout import TRAINABLE, Leaf, names
+from ._transforms import Transform, raw_to_values
+
+
+def _transforms_in(model) -> dict[str, Transform]:
+    """The model's transform nodes by path (`['w']` for a `sciflat.Positive` at `w`)."""
+    is_node = lambda x: isinstance(x, Transform)
+    nodes = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_node)[0]
+    return {jax.tree_util.keystr(k): x for k, x in nodes if is_node(x)}
+
+
+def _transform_note(nodes: dict[str, Transform]) -> str:
+    """Why a bound on a transformed leaf is refused, and what to do instead."""
+    shown = list(nodes.items())[:4]
+    which = ", ".join(f"`{p}` is a `sciflat.{type(x).__name__}`" for p, x in shown)
+    raws = names(f"{p}.raw" for p, _ in shown)
+    return (
+        f"{which}: a transform constrains its value itself, and `p` holds the "
+        f"unconstrained `raw`, so a bound on {raws} would bound the unconstrained "
+        "`raw`, not the value. Drop the bound (the transform already keeps the value "
+        "in its domain) or, for a value in (lower, upper), make the leaf "
+        "`sciflat.Interval(value, lower, upper)`."
+    )
 
 
 def _bound_array(value, entry: Leaf, side: str, where: str) -> np.ndarray:
@@ -37,7 +59,7 @@ def _bound_array(value, entry: Leaf, side: str, where: str) -> np.ndarray:
 
 
 def _from_mapping(
-    bounds: Mapping, re: Restructure, entries: dict[str, Leaf]
+    bounds: Mapping, re: Restructure, entries: dict[str, Leaf], model
 ) -> dict[str, tuple]:
     out, given = {}, {}
     for where, pair in bounds.items():
@@ -45,9 +67,7 @@ def _from_mapping(
         try:
             sl = re.slice(where)
         except (KeyError, ValueError) as e:
-            raise ValueError(
-                f"`bounds` key {name!r} does not pick a trainable leaf: {e}"
-            ) from None
+            raise _not_a_leaf(where, name, e, re, model) from None
         if not (isinstance(pair, tuple) and len(pair) == 2):
             raise TypeError(
                 f"`bounds[{name!r}]` must be a pair `(lower, upper)`, got {pair!r}."
@@ -65,20 +85,54 @@ def _from_mapping(
     return out
 
 
+def _not_a_leaf(where, name: str, error: Exception, re: Restructure, model):
+    nodes = _transforms_in(model)
+    if callable(where):
+        picked = where(model)
+        hit = {p: x for p, x in nodes.items() if x is picked}
+    else:
+        hit = {p: x for p, x in nodes.items() if p.lstrip(".") == where.lstrip(".")}
+    if hit:
+        return ValueError(f"`bounds` for `{name}`: {_transform_note(hit)}")
+    why = error.args[0] if isinstance(error, KeyError) else str(error)
+    if isinstance(error, KeyError):  # the trainable paths, quoted once
+        shown = re.paths[:8]
+        why = f"the trainable leaves are {names(shown)}" + (
+            ", ..." if len(re.paths) > 8 else ""
+        )
+    note = f" {_transform_note(nodes)}" if nodes else ""
+    return ValueError(
+        f"`bounds` key `{name}` does not pick a trainable leaf: {why}.{note}"
+    )
+
+
 def _from_pytrees(bounds: tuple, model, entries: dict[str, Leaf]) -> dict[str, tuple]:
     is_none = lambda x: x is None
     want = jax.tree.structure(model, is_leaf=is_none)
+    nodes = _transforms_in(model)
+    # The model's structure with each transform node as one leaf: how a user writes
+    # bounds for `{"w": sciflat.Positive(1.0)}` (`{"w": ...}`); unbounded there is fine.
+    values_form = jax.tree.structure(raw_to_values(model), is_leaf=is_none)
     sides = []
     for side, tree in zip(("lower", "upper"), bounds, strict=True):
         got = jax.tree.structure(tree, is_leaf=is_none)
+        leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_none)[0]
+        by_path = {jax.tree_util.keystr(k): v for k, v in leaves}
+        if got != want and nodes and got == values_form:
+            bounded = {k: nodes[k] for k in nodes if not _unbounded(by_path[k])}
+            if bounded:
+                raise ValueError(f"`bounds` ({side}): {_transform_note(bounded)}")
+            sides.append(
+                {k + (".raw" if k in nodes else ""): v for k, v in by_path.items()}
+            )
+            continue
         if got != want:
             raise ValueError(
                 f"`bounds` as `(lower, upper)` must be pytrees with the model's structure; "
                 f"the {side} one differs.\nexpected: {want}\ngot:      {got}\nOr give a "
                 "dict `{where: (lower, upper)}` for just the bounded leaves."
             )
-        leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_none)[0]
-        sides.append({jax.tree_util.keystr(k): v for k, v in leaves})
+        sides.append(by_path)
     out = {}
     for path in sides[0]:
         lo, hi = sides[0][path], sides[1][path]
@@ -121,7 +175,7 @@ def flat_bounds(
         e.path: first[e.tied_to or e.path] for e in layout if e.kind == TRAINABLE
     }
     if isinstance(bounds, Mapping):
-        per_leaf = _from_mapping(bounds, re, entries)
+        per_leaf = _from_mapping(bounds, re, entries, re(jax.numpy.asarray(x0)))
     elif isinstance(bounds, tuple) and len(bounds) == 2:
         per_leaf = _from_pytrees(bounds, re(jax.numpy.asarray(x0)), entries)
     else:

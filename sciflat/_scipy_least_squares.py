@@ -13,7 +13,13 @@ from jaxtyping import Array, Float, PyTree
 
 from ._floats import promote_floats
 from ._gradients import Mode, choose_modes
-from ._problem import check_args, check_float64, data_by_keyword
+from ._problem import (
+    check_args,
+    check_float64,
+    data_by_keyword,
+    nonfinite_start_message,
+    residual_vector,
+)
 from ._result import FitResult, Status
 from ._scipy_bounds import flat_bounds
 from ._scipy_host import (
@@ -148,12 +154,15 @@ def least_squares(
 
     tracker, res, status, message, x, value, n_rejected = attempt(method)
     n_calls = tracker.n_calls
+    if status == "nonfinite" and tracker.best_x is None:  # at the start: say why
+        r0 = np.asarray(res_fn(start, leaves))
+        message, n_calls = nonfinite_start_message("The residuals are", args, r0), 1
     # MINPACK rejects a trial step to non-finite residuals and shrinks it, as SciPy's
     # `lm` does; but a problem that overflows may have led it to a poorer minimum
     # (NIST BoxBOD from Start 1, where `curve_fit` ends at a constant): then `trf`
     # runs from the start too, and the lower cost wins. A stop (a non-finite
     # Jacobian) hands over to `trf` outright.
-    if fallback and (status == "nonfinite" or n_rejected):
+    elif fallback and (status == "nonfinite" or n_rejected):
         lm = (tracker, res, status, message, x, value)
         trf = attempt("trf")[:6]
         n_calls += trf[0].n_calls
@@ -397,7 +406,7 @@ def _cost(residuals: np.ndarray) -> float:
 
 def _build(kind: str, residuals, re, rebuild, mode: str) -> Callable:
     def r(x, leaves):
-        out = jnp.ravel(residuals(re(x), *rebuild(leaves)))
+        out = residual_vector(residuals(re(x), *rebuild(leaves)))
         check_float64(out, "The residuals")
         return out
 

@@ -17,7 +17,12 @@ from ._gradients import (
     gradient,
     value_and_grad_flat,
 )
-from ._problem import check_args, check_float64, data_by_keyword
+from ._problem import (
+    check_args,
+    check_float64,
+    data_by_keyword,
+    nonfinite_start_message,
+)
 from ._result import FitResult, Status
 from ._scipy_bounds import flat_bounds
 from ._scipy_host import (
@@ -167,7 +172,9 @@ def minimize(
             )
 
     res, status, message, x, value = run(call, tracker, start)
-    n = len(tracker.history)
+    n, n_calls = len(tracker.history), tracker.n_calls
+    if status == "nonfinite" and tracker.best_x is None:  # at the start: say why
+        message, n_calls = nonfinite_start_message("The loss is", args), 1
     if res is not None:
         status, value, n = _status(res), float(res.fun), int(res.get("nit", n))
     p = jnp.asarray(np.asarray(x, dtype=np.float64))
@@ -181,7 +188,7 @@ def minimize(
         n_steps=n,
         raw=res,
         re=re,
-        n_evaluations=tracker.n_calls,
+        n_evaluations=n_calls,
     )
 
 

@@ -415,3 +415,184 @@ def test_a_failing_loss_mid_fit_leaves_only_complete_checkpoints(tmp_path):
     with np.load(tmp_path / "ckpt.npz", allow_pickle=False) as z:
         assert len(z["history"]) == 3  # step 3's checkpoint, complete
     assert sciflat.load(tmp_path / "ckpt.npz", RE).shape == P.shape
+
+
+#
+# Issue 23, items 17-21: where two features meet, the error says what is wrong and
+# the fix.
+#
+
+POS_MODEL = {"w": sciflat.Positive(1.0), "b": jnp.asarray(0.0)}
+POS_RESIDUALS = lambda m: jnp.stack([m["w"] - 2.0, m["b"]])
+
+
+@pytest.mark.parametrize(
+    "bounds",
+    [
+        {"['w']": (0.0, 5.0)},
+        {"w": (0.0, 5.0)},
+        {lambda m: m["w"]: (0.0, 5.0)},
+        ({"w": 0.0, "b": None}, {"w": 5.0, "b": None}),
+    ],
+    ids=["path", "bare key", "lambda", "pytrees"],
+)
+@pytest.mark.parametrize("name", ["least_squares", "minimize"])
+def test_bounds_on_a_transformed_leaf_name_the_transform(name, bounds):
+    f = (
+        POS_RESIDUALS
+        if name == "least_squares"
+        else lambda m: jnp.sum(POS_RESIDUALS(m) ** 2)
+    )
+    with pytest.raises(ValueError) as info:
+        getattr(sciflat, name)(f, POS_MODEL, bounds=bounds, progress=False)
+    text = str(info.value)
+    assert "`['w']` is a `sciflat.Positive`" in text, text
+    assert "would bound the unconstrained `raw`" in text and "sciflat.Interval" in text
+    assert "\\'" not in text  # no nested repr
+
+
+def test_bounds_for_an_unknown_leaf_quote_paths_once():
+    with pytest.raises(ValueError) as info:
+        sciflat.least_squares(
+            POS_RESIDUALS, POS_MODEL, bounds={"zz": (0, 1)}, progress=False
+        )
+    text = str(info.value)
+    assert "`zz` does not pick a trainable leaf" in text and "\\'" not in text, text
+    assert "`['b']`, `['w'].raw`" in text, text
+
+
+def test_bounds_on_raw_itself_are_taken_as_asked():
+    res = sciflat.least_squares(
+        POS_RESIDUALS, POS_MODEL, bounds={"['w'].raw": (None, 1.0)}, progress=False
+    )
+    # The bound is on raw: softplus(1.0) = 1.3133 is the closest to 2 it allows.
+    np.testing.assert_allclose(sciflat.unwrap(res.model)["w"], jax.nn.softplus(1.0))
+
+
+def test_model_shaped_bounds_may_leave_a_transformed_leaf_unbounded():
+    lower, upper = {"w": None, "b": -1.0}, {"w": None, "b": 1.0}
+    res = sciflat.least_squares(
+        lambda m: jnp.stack([m["w"] - 2.0, m["b"] - 3.0]),
+        POS_MODEL,
+        bounds=(lower, upper),
+        progress=False,
+    )
+    np.testing.assert_allclose(sciflat.unwrap(res.model)["w"], 2.0)
+    np.testing.assert_allclose(res.model["b"], 1.0)  # at its bound
+
+
+LINE_X = np.linspace(0.0, 1.0, 5)
+LINE_Y = 2.0 * LINE_X + 1.0
+LINE_START = {"a": 1.0, "b": 0.5}
+line_residuals = lambda m, x, y: m["a"] + m["b"] * x - y
+
+
+def test_complex_residuals_or_loss_must_be_real():
+    complex_residuals = lambda m, x, y: line_residuals(m, x, y) * (1 + 0j)
+    with pytest.raises(TypeError) as info:
+        sciflat.least_squares(
+            complex_residuals, LINE_START, args=(LINE_X, LINE_Y), progress=False
+        )
+    text = str(info.value)
+    assert "The residuals must be real: expected float64, got complex128" in text
+    assert "r.real, r.imag" in text and "casts" not in text, text
+    complex_loss = lambda m, x, y: jnp.sum(complex_residuals(m, x, y) ** 2)
+    with pytest.raises(TypeError, match="The loss must be real: expected float64"):
+        sciflat.minimize(
+            complex_loss, LINE_START, args=(LINE_X, LINE_Y), progress=False
+        )
+
+
+def test_float32_residuals_still_point_to_the_cast():
+    cast = lambda m, x, y: line_residuals(m, x, y).astype(jnp.float32)
+    with pytest.raises(TypeError, match="audit_dtypes"):
+        sciflat.least_squares(cast, LINE_START, args=(LINE_X, LINE_Y), progress=False)
+
+
+def test_pytree_residuals_say_what_is_expected():
+    as_dict = lambda m, x, y: {"r": line_residuals(m, x, y)}
+    with pytest.raises(TypeError) as info:
+        sciflat.least_squares(
+            as_dict, LINE_START, args=(LINE_X, LINE_Y), progress=False
+        )
+    text = str(info.value)
+    assert "`residuals` must return an array" in text and "got dict" in text, text
+    assert "ravel_pytree" in text and "requires ndarray" not in text, text
+
+
+@pytest.mark.parametrize("method", ["auto", "trf", "lm"])
+def test_nan_in_the_data_names_the_args_entry_and_indices(method):
+    y = LINE_Y.copy()
+    y[[1, 3]] = np.nan
+    res = sciflat.least_squares(
+        line_residuals, LINE_START, args=(LINE_X, y), method=method, progress=False
+    )
+    assert res.status == "nonfinite"
+    text = res.message
+    assert "at the start" in text and "residuals [1, 3]" in text, text
+    assert "`args[1]` is non-finite at [1, 3]" in text, text
+    assert "stepped" not in text and "best finite point" not in text, text
+    assert res.n_evaluations == 1 and "function evals:      1" in str(res)
+    np.testing.assert_array_equal(res.p, [1.0, 0.5])  # the start, untouched
+
+
+def test_nan_in_the_data_of_minimize_names_the_args_entry():
+    x = LINE_X.copy()
+    x[2] = np.inf
+    loss = lambda m, x, y: jnp.sum(line_residuals(m, x, y) ** 2)
+    res = sciflat.minimize(loss, LINE_START, args=(x, LINE_Y), progress=False)
+    assert res.status == "nonfinite"
+    assert (
+        "at the start" in res.message
+        and "`args[0]` is non-finite at [2]" in res.message
+    )
+    assert "best finite point" not in res.message, res.message
+
+
+def test_a_start_nonfinite_without_bad_data_says_so():
+    # The data are finite; the model is not at the start (log of a negative number).
+    bad = lambda m, x, y: jnp.log(m["b"] - 1.0) * x - y
+    res = sciflat.least_squares(bad, LINE_START, args=(LINE_X, LINE_Y), progress=False)
+    assert (
+        "at the start" in res.message and "the data in `args` are finite" in res.message
+    )
+
+
+@pytest.mark.parametrize("fit_name", ["least_squares", "minimize"])
+def test_an_untied_start_for_a_tied_model_names_the_tie(fit_name):
+    w = jnp.asarray([1.0, 2.0])
+    tied = {"a": w, "b": w, "c": jnp.asarray(0.5)}  # `b` is `a`: one array in `p`
+    untied = {"a": jnp.asarray([1.0, 2.0]), "b": jnp.asarray([3.0, 4.0]), "c": 0.5}
+    res = lambda m: jnp.concatenate([m["a"] - 1.0, m["b"] - 2.0, m["c"][None]])
+    f = res if fit_name == "least_squares" else lambda m: jnp.sum(res(m) ** 2)
+    with pytest.raises(ValueError) as info:
+        sciflat.multistart(
+            getattr(sciflat, fit_name), f, tied, [tied, untied], progress=False
+        )
+    text = str(info.value)
+    assert "`starts[1]` does not have the model's ties" in text, text
+    assert "`['b']` is tied to `['a']`" in text and "same shape" not in text, text
+
+
+@pytest.mark.parametrize("flag", ["model", "p"])
+def test_vector_field_old_args_flag_names_the_fix(flag):
+    _, re = sciflat.destructure({"w": jnp.asarray(1.0)})
+    with pytest.raises(TypeError) as info:
+        sciflat.vector_field(re, args=flag)  # pyright: ignore[reportCallIssue]
+    text = str(info.value)
+    assert "no longer takes `args=`" in text and "sciflat.vector_field(re)" in text
+    assert "unexpected keyword" not in text, text
+
+
+def test_fit_with_data_after_the_optimiser_names_args():
+    import optax
+
+    loss = lambda m, x, y: jnp.sum((m["w"] * x - y) ** 2)
+    with pytest.raises(TypeError) as info:
+        sciflat.fit(loss, {"w": 1.0}, optax.adam(0.1), LINE_X, LINE_Y)  # pyright: ignore[reportCallIssue]
+    text = str(info.value)
+    assert "got 2 positional arguments after `optimizer`" in text, text
+    assert "sciflat.fit(loss, model, optimizer, args=(x, y), ...)" in text, text
+    # The SciPy fits, by the same check.
+    with pytest.raises(TypeError, match=r"after `model`: write `sciflat.minimize\("):
+        sciflat.minimize(loss, {"w": 1.0}, LINE_X, LINE_Y)  # pyright: ignore[reportCallIssue]

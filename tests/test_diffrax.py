@@ -7,6 +7,7 @@ references are closed forms (y' = A y -> expm(A t) y0; y' = a - b y -> a / b) or
 """
 
 import functools as ft
+from typing import Any
 
 import diffrax
 import equinox as eqx
@@ -14,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import jax.scipy.linalg as jsl
 import numpy as np
+import optax
 import pytest
 
 import sciflat
@@ -466,3 +468,109 @@ def test_vmapped_solves_with_re_p_match_the_plain_model():
     assert grad_model.dtype == jnp.float64
     np.testing.assert_allclose(grad_model, ref, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(grad_p, ref, rtol=1e-10, atol=1e-12)
+
+
+#
+# Transforms: the model sees constrained values, as a fit's loss does (issue 23, item 13).
+# y' = -k y with k = Positive(...): y = exp(-k t), a closed form; the reference solve is
+# the same ODE written with `softplus(raw)` by hand on a plain pytree.
+#
+
+
+class PositiveDecay(eqx.Module):
+    k: Any  # a `sciflat.Positive`
+
+    def __call__(self, t, y, args):
+        return -self.k * y
+
+
+class HandPositiveDecay(eqx.Module):
+    raw: jax.Array
+
+    def __call__(self, t, y, args):
+        return -jax.nn.softplus(self.raw) * y
+
+
+DECAY_TS = jnp.linspace(0.0, 2.0, 9)
+DECAY_YS = jnp.exp(-1.3 * DECAY_TS)  # k = 1.3
+_, DECAY_RE = sciflat.destructure(PositiveDecay(sciflat.Positive(0.5)))
+DECAY_TERM = diffrax.ODETerm(sciflat.vector_field(DECAY_RE))
+ADJOINTS = ("RecursiveCheckpointAdjoint", "BacksolveAdjoint", "DirectAdjoint")
+
+
+def _decay_ys(term, args, adjoint: str):
+    sol = diffrax.diffeqsolve(
+        term,
+        diffrax.Tsit5(),
+        0.0,
+        2.0,
+        0.1,
+        jnp.asarray(1.0),
+        args=args,
+        saveat=diffrax.SaveAt(ts=DECAY_TS),
+        stepsize_controller=diffrax.PIDController(rtol=1e-10, atol=1e-10),
+        max_steps=64,  # 47 steps; a small bound is cheaper to compile and run
+        adjoint=getattr(diffrax, adjoint)(),
+    )
+    return sol.ys
+
+
+def _closed_form_loss(raw):
+    return jnp.sum((jnp.exp(-jax.nn.softplus(raw) * DECAY_TS) - DECAY_YS) ** 2)
+
+
+@pytest.mark.parametrize("adjoint", (*ADJOINTS, "ForwardMode"))
+@pytest.mark.slow  # two solves per adjoint to compile: > 1.5 s on 2 quiet cores
+def test_a_transformed_model_is_unwrapped_in_every_adjoint(adjoint):
+    p, re = jnp.asarray([0.2]), DECAY_RE
+    diff = jax.jacfwd if adjoint == "ForwardMode" else jax.jacrev
+    loss = lambda ys: jnp.sum((ys - DECAY_YS) ** 2)
+    hand_term = diffrax.ODETerm(lambda t, y, m: m(t, y, None))
+    hand = jax.jit(
+        diff(lambda p: loss(_decay_ys(hand_term, HandPositiveDecay(p[0]), adjoint)))
+    )
+    # `args=re(p)`, the way docs/diffrax.md teaches (`args=unwrap(re(p))`, what a fit
+    # hands its loss, is the fits' test below).
+    grad = jax.jit(diff(lambda p: loss(_decay_ys(DECAY_TERM, re(p), adjoint))))
+    np.testing.assert_allclose(grad(p), hand(p), rtol=1e-10)
+    np.testing.assert_allclose(hand(p), [jax.grad(_closed_form_loss)(0.2)], rtol=1e-8)
+
+
+def _fit_decay(how: str, adjoint: str, model):
+    term = (
+        DECAY_TERM
+        if isinstance(model, PositiveDecay)
+        else diffrax.ODETerm(lambda t, y, m: m(t, y, None))
+    )
+    residuals = lambda m, ys: _decay_ys(term, m, adjoint) - ys
+    sse = lambda m, ys: jnp.sum(residuals(m, ys) ** 2)
+    if how == "least_squares":
+        return sciflat.least_squares(residuals, model, args=(DECAY_YS,), progress=False)
+    if how == "minimize":
+        return sciflat.minimize(sse, model, args=(DECAY_YS,), progress=False)
+    opt = optax.lbfgs()
+    return sciflat.fit(sse, model, opt, steps=30, args=(DECAY_YS,), progress=False)
+
+
+# Every fit with the default adjoint, two other adjoints with one fit each: the
+# gradients through every adjoint are checked above.
+@pytest.mark.parametrize(
+    "how, adjoint",
+    [
+        ("least_squares", "RecursiveCheckpointAdjoint"),
+        ("minimize", "RecursiveCheckpointAdjoint"),
+        ("fit", "RecursiveCheckpointAdjoint"),
+        ("least_squares", "BacksolveAdjoint"),
+        ("minimize", "ForwardMode"),  # forward mode: the SciPy fits only
+    ],
+)
+@pytest.mark.slow  # a Diffrax solve to compile per fit: > 1.5 s on 2 quiet cores
+def test_an_ode_with_a_positive_rate_fits_in_every_fit_and_adjoint(how, adjoint):
+    result = _fit_decay(how, adjoint, PositiveDecay(sciflat.Positive(0.5)))
+    k = sciflat.unwrap(result.model).k
+    np.testing.assert_allclose(k, 1.3, rtol=1e-6)  # the closed form's k
+    if how == "least_squares" and adjoint == "RecursiveCheckpointAdjoint":
+        # The same fit on the same ODE written with softplus by hand.
+        raw = float(np.log(np.expm1(0.5)))
+        hand = _fit_decay(how, adjoint, HandPositiveDecay(jnp.asarray(raw)))
+        np.testing.assert_allclose(k, jax.nn.softplus(hand.model.raw), rtol=1e-9)

@@ -1,6 +1,8 @@
 """Parameter estimation: the result is honest (defects of issue 12) and carries
 standard errors, correlations and a report, checked against closed forms."""
 
+import sys
+
 import equinox as eqx
 import hypothesis.strategies as st
 import jax
@@ -361,3 +363,27 @@ def test_plot_fit_draws_data_fit_and_residuals(line_data, tmp_path):
     )
     fig.savefig(tmp_path / "fit.png")
     assert (tmp_path / "fit.png").stat().st_size > 1000
+
+
+def test_plot_fit_hands_predict_the_values_the_residuals_saw(line_data):
+    # Issue 23, item 14: `predict` gets the unwrapped model, as the residuals did.
+    import matplotlib
+
+    matplotlib.use("Agg")
+    x, y = line_data
+    res = lsq(line, {"a": 0.0, "b": sciflat.Positive(1.0)}, (x, y))
+    fig = sciflat.plot_fit(res, lambda m, x: m["a"] + m["b"] * x, x, y)
+    # The reference: the same residuals on the unwrapped model, by hand.
+    np.testing.assert_allclose(
+        fig.axes[1].lines[0].get_ydata(),
+        np.asarray(line(sciflat.unwrap(res.model), x, y)),
+    )
+
+
+def test_plot_fit_without_matplotlib_names_the_extra(line_data, monkeypatch):
+    x, y = line_data
+    res = lsq(line, {"a": 0.0, "b": 0.0}, (x, y))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    with pytest.raises(ImportError, match=r"pip install 'sciflat\[plot\]'"):
+        sciflat.plot_fit(res, lambda m, x: m["a"] + m["b"] * x, x, y)
