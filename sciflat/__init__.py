@@ -8,7 +8,7 @@ from ._diffrax import VectorField as VectorField, vector_field as vector_field
 from ._flatten import Restructure as Restructure, destructure as destructure
 from ._hessian import hessian_uncertainty as hessian_uncertainty
 from ._io import load as load, save as save
-from ._report import plot_fit as plot_fit
+from ._plot import plot_fit as plot_fit
 from ._result import FitResult as FitResult
 from ._scipy_programs import clear_caches as clear_caches
 from ._transforms import (

@@ -12,6 +12,8 @@ from jaxtyping import Array, Float
 
 from ._flatten import Restructure
 from ._layout import TRAINABLE
+from ._report import report as report_text
+from ._transforms import raw_to_values
 from ._uncertainty import Uncertainty
 
 
@@ -125,9 +127,7 @@ class FitResult(Generic[_M]):
         """The fit as text, in the manner of lmfit's `fit_report`: values, standard
         errors and relative errors, correlations above `min_correlation`, χ²,
         reduced χ², AIC/BIC, evaluations, status and message."""
-        from ._report import report
-
-        return report(self, min_correlation)
+        return report_text(self, min_correlation)
 
     def __str__(self) -> str:
         return self.report()
@@ -156,8 +156,6 @@ class FitResult(Generic[_M]):
 def _model_shaped(re: Restructure[Any], flat: npt.NDArray[np.float64]) -> Any:
     """`flat` (one value per entry of `p`) in the model's structure; leaves not in `p`
     are None."""
-    from ._transforms import raw_to_values
-
     # A transform node holds its value's numbers in `raw`: show them in its place.
     model = raw_to_values(re(jnp.asarray(flat, jnp.float64)))
     trainable = {e.path for e in re.layout() if e.kind == TRAINABLE}

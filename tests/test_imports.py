@@ -1,9 +1,13 @@
 """`import sciflat` loads only what `destructure` needs; the fits load theirs on use."""
 
+import ast
+import pathlib
 import subprocess
 import sys
 
 import pytest
+
+import sciflat
 
 
 PROBE = """
@@ -26,7 +30,6 @@ def test_import_sciflat_loads_no_integration_until_used():
 
 
 def test_lazy_names_are_the_real_functions():
-    import sciflat
     from sciflat._fit import fit
     from sciflat._scipy_least_squares import least_squares
     from sciflat._scipy_minimize import minimize
@@ -39,3 +42,41 @@ def test_lazy_names_are_the_real_functions():
     assert {"fit", "minimize", "least_squares"} <= set(dir(sciflat))
     with pytest.raises(AttributeError, match="no attribute 'fitt'"):
         sciflat.fitt  # noqa: B018
+
+
+def _internal_imports() -> dict[str, set[str]]:
+    """Every `sciflat._x` module and the sciflat modules it imports, anywhere in its
+    body: at the top, inside a function, or under `if TYPE_CHECKING:`."""
+    root = pathlib.Path(sciflat.__file__).parent
+    graph = {}
+    for path in root.glob("_*.py"):
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                if node.module:  # from ._x import y
+                    found.add(node.module.split(".")[0])
+                else:  # from . import _x
+                    found.update(alias.name for alias in node.names)
+        graph[path.stem] = found
+    return graph
+
+
+def test_the_modules_import_each_other_without_circles():
+    # Layers point one way (CONTRIBUTING.md, "Layout"): a lower module never imports
+    # a higher one, not even inside a function or for a type.
+    graph = _internal_imports()
+    state: dict[str, str] = {}
+
+    def visit(module, trail):
+        if state.get(module) == "done":
+            return
+        if state.get(module) == "open":
+            cycle = [*trail[trail.index(module) :], module]
+            raise AssertionError("import circle: " + " -> ".join(cycle))
+        state[module] = "open"
+        for other in sorted(graph.get(module, ())):
+            visit(other, [*trail, module])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        visit(module, [])
