@@ -23,7 +23,7 @@ from ._custom_types import FilePath, FilterSpec, PyTree
 from ._dtypes import check_representable, complex_dtype, is_complex
 from ._flatten import Restructure, destructure
 from ._layout import OTHER, TRAINABLE, Layout, Leaf, nonfinite_paths
-from ._transforms import transforms_by_path
+from ._transforms import node_path, transforms_by_path
 from ._validate import as_flat_vector
 
 
@@ -271,7 +271,7 @@ def check_transforms(saved: dict[str, str], re: Restructure, path) -> None:
     for leaf in sorted(set(saved) | set(here)):
         got, want = saved.get(leaf), here.get(leaf)
         if got != want:
-            at = leaf.removesuffix(".raw") if (got and want) else leaf
+            at = node_path(leaf) if (got and want) else leaf
             raise ValueError(
                 f"{os.fspath(path)!r} does not fit `like` at leaf `{at}`: the file "
                 f"holds it under {got or 'no transform'}, the model `like` has "

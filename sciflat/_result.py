@@ -13,7 +13,7 @@ from jaxtyping import Array, Float
 from ._flatten import Restructure
 from ._layout import TRAINABLE
 from ._report import report as report_text
-from ._transforms import raw_to_values
+from ._transforms import node_path, raw_to_values
 from ._uncertainty import Uncertainty
 
 
@@ -159,6 +159,6 @@ def _model_shaped(re: Restructure[Any], flat: npt.NDArray[np.float64]) -> Any:
     # A transform node holds its value's numbers in `raw`: show them in its place.
     model = raw_to_values(re(jnp.asarray(flat, jnp.float64)))
     trainable = {e.path for e in re.layout() if e.kind == TRAINABLE}
-    trainable |= {p.removesuffix(".raw") for p in trainable}
+    trainable |= {node_path(p) for p in trainable}
     keep = lambda k, v: v if jax.tree_util.keystr(k) in trainable else None
     return jax.tree_util.tree_map_with_path(keep, model)

@@ -8,7 +8,7 @@ import numpy as np
 
 from ._flatten import Restructure
 from ._layout import TRAINABLE, Leaf, names
-from ._transforms import Transform, raw_to_values
+from ._transforms import Transform, raw_path, raw_to_values
 
 
 def _transforms_in(model) -> dict[str, Transform]:
@@ -22,7 +22,7 @@ def _transform_note(nodes: dict[str, Transform]) -> str:
     """Why a bound on a transformed leaf is refused, and what to do instead."""
     shown = list(nodes.items())[:4]
     which = ", ".join(f"`{p}` is a `sciflat.{type(x).__name__}`" for p, x in shown)
-    raws = names(f"{p}.raw" for p, _ in shown)
+    raws = names(raw_path(p) for p, _ in shown)
     return (
         f"{which}: a transform constrains its value itself, and `p` holds the "
         f"unconstrained `raw`, so a bound on {raws} would bound the unconstrained "
@@ -123,7 +123,7 @@ def _from_pytrees(bounds: tuple, model, entries: dict[str, Leaf]) -> dict[str, t
             if bounded:
                 raise ValueError(f"`bounds` ({side}): {_transform_note(bounded)}")
             sides.append(
-                {k + (".raw" if k in nodes else ""): v for k, v in by_path.items()}
+                {raw_path(k) if k in nodes else k: v for k, v in by_path.items()}
             )
             continue
         if got != want:

@@ -196,6 +196,20 @@ def has_transforms(model: Any) -> bool:
     return any(_is_transform(x) for x in leaves)
 
 
+# A transform node keeps its value's numbers in the leaf `raw`: `['a']` -> `['a'].raw`.
+_RAW = jax.tree_util.keystr((jax.tree_util.GetAttrKey("raw"),))
+
+
+def raw_path(node_path: str) -> str:
+    """The path of the `raw` leaf of the transform node at `node_path`."""
+    return node_path + _RAW
+
+
+def node_path(path: str) -> str:
+    """The path of the transform node whose `raw` leaf is at `path` (else `path`)."""
+    return path.removesuffix(_RAW)
+
+
 def _nodes(re: Restructure) -> list[tuple[str, Transform]]:
     """Every transform node of the model `re` rebuilds, by path (each path of a tie)."""
     model = re(jnp.zeros(len(re), re.dtype))
@@ -213,13 +227,13 @@ def describe(node: Transform) -> str:
 def transforms_by_path(re: Restructure) -> dict[str, str]:
     """The transform at each leaf that is a transform's `raw` (`"['a'].raw"`), described:
     what a saved file records, so that it loads into the same transforms only."""
-    return {path + ".raw": describe(node) for path, node in _nodes(re)}
+    return {raw_path(path): describe(node) for path, node in _nodes(re)}
 
 
 def value_names(re: Restructure) -> tuple[str, ...]:
     """One name per entry of `p` for its constrained value: a transform's `raw` path
     named by the transform's own (`['a'][0]`, not `['a'].raw[0]`)."""
-    return entry_names(re, {path + ".raw": path for path, _ in _nodes(re)})
+    return entry_names(re, {raw_path(path): path for path, _ in _nodes(re)})
 
 
 def constrained(re: Restructure, x: Float[Array, " n"]) -> Float[Array, " n"]:
@@ -230,7 +244,7 @@ def constrained(re: Restructure, x: Float[Array, " n"]) -> Float[Array, " n"]:
     nodes = jax.tree_util.tree_flatten_with_path(positions, is_leaf=_is_transform)[0]
     out = x
     for path, node in nodes:
-        if _is_transform(node) and jax.tree_util.keystr(path) + ".raw" in trainable:
+        if _is_transform(node) and raw_path(jax.tree_util.keystr(path)) in trainable:
             index = np.asarray(node.raw).astype(int).ravel()
             # From `x`, not from `out`: a tied node is met once per path, and its
             # entries are mapped once (not softplus of softplus).
