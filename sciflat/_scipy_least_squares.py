@@ -20,7 +20,7 @@ from ._uncertainty import from_jacobian
 
 
 _M = TypeVar("_M")
-_METHODS = ("auto", "trf", "dogbox", "lm")
+_METHODS = ("auto", "trf", "dogbox", "lm", "device")
 # What MINPACK's `lm` takes besides what sciflat passes; anything else (a robust
 # `loss`, `tr_solver`, `jac_sparsity`, ...) is a `trf` option.
 _LM_OPTIONS = {"ftol", "xtol", "gtol", "x_scale", "max_nfev", "diff_step", "verbose"}
@@ -86,7 +86,10 @@ def least_squares(
         (`"lm"`) when there are no bounds, at least as many residuals as parameters and
         no option only `"trf"` takes (a robust `loss`, ...); `"trf"` otherwise, and
         also, from the start again, if `"lm"` steps to non-finite residuals (it cannot
-        shrink such a step; `"trf"` can).
+        shrink such a step; `"trf"` can). `"device"`: the same Levenberg–Marquardt
+        (MINPACK's scaling and stopping rules) run whole on JAX's device as one
+        compiled program, no bounds and no `callback`; see
+        [Many fits at once](many_fits.md) and [`sciflat.least_squares_batch`][].
     - `callback`: `callback(step, cost, model)` after every iteration (every
         Jacobian); a true return value stops the fit, as in [`sciflat.minimize`][].
     - `**kwargs`: passed to `scipy.optimize.least_squares` (`ftol`, `x_scale`,
@@ -106,6 +109,20 @@ def least_squares(
         raise ValueError(f"`method` must be one of {_METHODS}, got {method!r}.")
     if method == "lm" and bounds is not None:
         raise ValueError("`method='lm'` does not take bounds; use 'trf' or 'dogbox'.")
+    if method == "device":  # the whole fit as one compiled program
+        from ._device_least_squares import least_squares_on_device
+
+        return least_squares_on_device(
+            residuals,
+            model,
+            args=args,
+            bounds=bounds,
+            mode=mode,
+            x0=x0,
+            filter_spec=filter_spec,
+            callback=callback,
+            kwargs=kwargs,
+        )
     model = promote_floats(model, "least_squares")  # {"b1": 500.0}: b1 is fitted
     residuals = unwrapping(residuals)  # they see the values of `sciflat.Transform`s
     start, re = sp.start(model, x0, filter_spec, "least_squares")
