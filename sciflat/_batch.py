@@ -100,8 +100,8 @@ class BatchResult(Generic[_M]):
     @property
     def stderr(self) -> Any:
         """Standard errors in the model's structure, each leaf with a leading axis K."""
-        rows = [_model_shaped(self.re, s) for s in self.stderr_flat]
-        return jax.tree.map(lambda *xs: np.stack(xs), *rows)
+        shaped = jax.vmap(lambda s: _model_shaped(self.re, s))
+        return jax.tree.map(np.asarray, shaped(jnp.asarray(self.stderr_flat)))
 
     def __getitem__(self, i: int) -> FitResult[_M]:
         """Fit `i` as a [`sciflat.FitResult`][] (with its uncertainty and report)."""
@@ -206,14 +206,17 @@ def least_squares_batch(
     - `args`: data shared by every fit.
     - `batch_args`: data of each fit: a tuple whose array leaves are stacked along a
         leading axis of length K, or a list of K tuples of the same structure.
-    - `starts`: None, an array `(K, n)` of flat vectors, or a sequence of K models of
+    - `starts`: None, an array `(K, n)` of flat vectors (in `p`'s order: see
+        `re.paths`; a dict's keys are sorted), or a sequence of K models of
         `model`'s structure. A start that is not finite is a failed fit (reported by
         index), not an error.
     - `mode`: the Jacobian's mode, as in `least_squares`.
     - `filter_spec`: as in `least_squares`.
     - `shard`: split the batch over `jax.devices()` (default: when there are several).
     - `chunk_size`: at most this many fits per program (one compilation; the last
-        chunk is padded), with a progress bar over the chunks. Default: all at once.
+        chunk is padded), with a progress bar over the chunks. Default: all at once
+        on an accelerator; on a CPU, chunks of about 4 MB of Jacobians (722 fits of
+        121 residuals and 5 parameters), which keeps each turn in cache.
     - `progress`: show that bar.
     - `**kwargs`: `ftol`, `xtol`, `gtol`, `max_nfev`, `x_scale`, as in
         `least_squares`.
@@ -234,6 +237,8 @@ def least_squares_batch(
     devices = jax.devices() if (shard is None or shard) else jax.devices()[:1]
     if shard and len(devices) == 1:
         devices = jax.devices()  # one device: nothing to split
+    if chunk_size is None:
+        chunk_size = _auto_chunk(residuals, re, args, data, x0s[0])
     size = k if chunk_size is None else max(1, min(int(chunk_size), k))
     size = -(-size // len(devices)) * len(devices)  # a multiple of the device count
     chunks = list(range(0, k, size))
@@ -262,6 +267,22 @@ def least_squares_batch(
     finally:
         bar.close()
     return _result(outs, re, x0s, max_nfev, how, k)
+
+
+# On a CPU, a chunk's loop state (its Jacobians, their QR) is kept near this size:
+# larger, every turn streams it from memory (Gpufit's 2-D spot, 10,000 fits: 84 fits/s
+# in one piece, 205 in chunks of 500; `benchmarks/bench_many_fits.py`), and each chunk
+# also stops with its own slowest fit rather than the whole batch's.
+_CPU_CHUNK_BYTES = 4 * 2**20
+
+
+def _auto_chunk(residuals, re, args, data, x0) -> int | None:
+    if jax.default_backend() != "cpu":
+        return None
+    leaves, rebuild = sp.split_args((*args, *jax.tree.map(lambda a: a[0], data)))
+    r = dls.residual_fn(residuals, re, rebuild)
+    m = jax.eval_shape(r, jnp.asarray(x0), leaves).shape[0]
+    return max(64, _CPU_CHUNK_BYTES // (8 * max(m, 1) * (len(re) + 1)))
 
 
 def _place(tree, devices):
