@@ -19,6 +19,11 @@ CPU, where it says so and what the placement check then means.
 5. Issue 14: the float32 PINN trained at DEFAULT and at HIGHEST matmul precision
    (`examples/pinn/train.py --compare-precision`): error, loss, time, and the cost of
    one loss-and-gradient evaluation under each; in a child process, time-limited.
+6. Issue 19: many fits as one program (`bench_many_fits.py --many`): Misra1a
+   replicates and Gpufit's 2-D Gaussian spot for K = 1,000 ... 1,000,000 on the
+   device (fits per second, beside Gpufit's published figures), the loops of lmfit
+   and of the SciPy path on the host's CPU for the ratio; then one small fit on the
+   device (`--single`); each in a child process, time-limited.
 
 Exits non-zero when a check (1-3) fails.
 """
@@ -195,6 +200,14 @@ def precision_pinn(limit_s: int) -> None:
     _child(train, ["--compare-precision", "--steps", "2000"], limit_s)
 
 
+def many_fits(limit_s: int) -> None:
+    print("\n## 6. Many fits as one program (issue 19)")
+    bench = os.path.join(HERE, "bench_many_fits.py")
+    ks = ["1000", "10000", "100000", "1000000"]
+    _child(bench, ["--many", "--ks", *ks, "--loop", "50"], 2 * limit_s)
+    _child(bench, ["--single", "--repeats", "5"], limit_s)
+
+
 def _child(script: str, args: list[str], limit_s: int) -> None:
     """`python script *args` with a time limit, its output printed."""
     print(f"\n$ python {os.path.relpath(script)} {' '.join(args)}", flush=True)
@@ -213,7 +226,7 @@ def _child(script: str, args: list[str], limit_s: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--no-bench", action="store_true", help="skip parts 4 and 5")
+    parser.add_argument("--no-bench", action="store_true", help="skip parts 4, 5 and 6")
     parser.add_argument(
         "--bench-limit", type=int, default=150, help="seconds per benchmark"
     )
@@ -229,6 +242,7 @@ def main() -> None:
     if not args.no_bench:
         benchmarks(args.bench_limit)
         precision_pinn(2 * args.bench_limit)
+        many_fits(args.bench_limit)
     print(f"\n{len(FAILED)} check(s) failed" + (f": {FAILED}" if FAILED else ""))
     sys.exit(1 if FAILED else 0)
 

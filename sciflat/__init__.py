@@ -24,6 +24,10 @@ from ._uncertainty import Uncertainty as Uncertainty
 # The fits load Optax, `scipy.optimize` and tqdm: imported on first use, so that
 # `import sciflat` costs only what `destructure` needs (CONTRIBUTING.md has the figures).
 if typing.TYPE_CHECKING:
+    from ._batch import (
+        BatchResult as BatchResult,
+        least_squares_batch as least_squares_batch,
+    )
     from ._fit import fit as fit
     from ._multistart import (
         MultiStartResult as MultiStartResult,
@@ -33,6 +37,8 @@ if typing.TYPE_CHECKING:
     from ._scipy_minimize import minimize as minimize
 
 _LAZY = {
+    "BatchResult": "._batch",
+    "least_squares_batch": "._batch",
     "fit": "._fit",
     "least_squares": "._scipy_least_squares",
     "minimize": "._scipy_minimize",

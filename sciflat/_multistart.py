@@ -80,10 +80,11 @@ def multistart(
     **Arguments:**
 
     - `fit`: `sciflat.least_squares` or `sciflat.minimize` (one start after the
-        other, on the host: SciPy's loop), or `sciflat.fit` (every start at once:
-        `fit`'s own compiled step `jax.vmap`ped over the starts, with its checks and
-        stops, so each start's result is `fit`'s from it; give `optimizer=` and
-        `steps=`; on a GPU the starts run in parallel).
+        other, on the host: SciPy's loop; with `method="device"`, `least_squares`
+        runs every start at once, as [`sciflat.least_squares_batch`][]), or
+        `sciflat.fit` (every start at once: `fit`'s own compiled step `jax.vmap`ped
+        over the starts, with its checks and stops, so each start's result is `fit`'s
+        from it; give `optimizer=` and `steps=`; on a GPU the starts run in parallel).
     - `loss`: its `residuals` or `loss`.
     - `model`: the model (its structure, and the first start when sampling).
     - `starts`: an int (how many starts to sample within `bounds`), or a sequence of
@@ -109,6 +110,9 @@ def multistart(
     p, re = destructure(model, filter_spec, dtype=jnp.float64)
     x0s = _starts(starts, p, re, bounds, key, filter_spec)
     kwargs.setdefault("progress", False)
+    if fit is _least_squares() and kwargs.get("method") == "device":
+        results = _batched(loss, model, x0s, args, bounds, filter_spec, kwargs)
+        return MultiStartResult(_best(results), results, x0s)
     if bounds is not None:
         kwargs["bounds"] = bounds
     results = [_call(fit, loss, re, args, x0, kwargs, i) for i, x0 in enumerate(x0s)]
@@ -118,6 +122,35 @@ def multistart(
 def _best(results: list[FitResult[_M]]) -> FitResult[_M]:
     converged = [r for r in results if r.success] or results
     return min(converged, key=lambda r: r.loss if np.isfinite(r.loss) else np.inf)
+
+
+def _least_squares() -> Callable[..., Any]:
+    from ._scipy_least_squares import least_squares
+
+    return least_squares
+
+
+def _batched(loss, model, x0s, args, bounds, filter_spec, kwargs) -> list[FitResult]:
+    """`least_squares(method="device")` from every start at once: one compiled
+    program (`sciflat.least_squares_batch`)."""
+    from ._batch import least_squares_batch
+
+    if bounds is not None:
+        raise ValueError(
+            "`method='device'` does not take bounds (here also used to sample the "
+            "starts): give the starts, or use 'trf' or 'dogbox'."
+        )
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("method", "progress")}
+    batch = least_squares_batch(
+        loss,
+        model,
+        args=args,
+        starts=x0s,
+        filter_spec=filter_spec,
+        progress=False,
+        **kwargs,
+    )
+    return batch.results
 
 
 def _optax_fit() -> Callable[..., Any]:

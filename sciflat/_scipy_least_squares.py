@@ -37,7 +37,7 @@ from ._uncertainty import from_jacobian
 
 
 _M = TypeVar("_M")
-_METHODS = ("auto", "trf", "dogbox", "lm")
+_METHODS = ("auto", "trf", "dogbox", "lm", "device")
 # What MINPACK's `lm` takes besides what sciflat passes; anything else (a robust
 # `loss`, `tr_solver`, `jac_sparsity`, ...) is a `trf` option.
 _LM_OPTIONS = {"ftol", "xtol", "gtol", "x_scale", "max_nfev", "diff_step", "verbose"}
@@ -107,6 +107,10 @@ def least_squares(
         with the lower cost is returned (an overflowing problem can lead either to a
         poorer minimum); if `"lm"` stopped at a non-finite Jacobian, `"trf"` is run
         instead.
+        `"device"`: the same Levenberg–Marquardt (MINPACK's scaling and stopping
+        rules) run whole on JAX's device as one compiled program, no bounds and no
+        `callback`; see [Many fits at once](many_fits.md) and
+        [`sciflat.least_squares_batch`][].
     - `callback`: `callback(step, cost, model)` after every iteration (every
         Jacobian); a true return value stops the fit, as in [`sciflat.minimize`][].
     - `**kwargs`: passed to `scipy.optimize.least_squares` (`ftol`, `x_scale`,
@@ -126,6 +130,20 @@ def least_squares(
         raise ValueError(f"`method` must be one of {_METHODS}, got {method!r}.")
     if method == "lm" and bounds is not None:
         raise ValueError("`method='lm'` does not take bounds; use 'trf' or 'dogbox'.")
+    if method == "device":  # the whole fit as one compiled program
+        from ._device_least_squares import least_squares_on_device
+
+        return least_squares_on_device(
+            residuals,
+            model,
+            args=args,
+            bounds=bounds,
+            mode=mode,
+            x0=x0,
+            filter_spec=filter_spec,
+            callback=callback,
+            kwargs=kwargs,
+        )
     model = promote_floats(model, "least_squares")  # {"b1": 500.0}: b1 is fitted
     residuals = unwrapping(residuals)  # they see the values of `sciflat.Transform`s
     start, re = float64_start(model, x0, filter_spec, "least_squares")

@@ -1,0 +1,296 @@
+"""Many fits at once: the device fit and batches of it, against lmfit and SciPy's loop.
+
+Three tables (docs/many_fits.md):
+
+1. `--single`: one small fit after compilation, per NIST StRD problem and start:
+   `least_squares(method="device")` against lmfit's default fit (MINPACK, finite
+   differences, NumPy residuals) and sciflat's SciPy path (`method="lm"`), interleaved
+   fit by fit in one process, medians; and the first (compiling) fit of each.
+2. `--many`: K fits of one structure as one program (`least_squares_batch`), for
+   (a) NIST Misra1a fitted to K noisy replicates of its data and (b) Gpufit's 2-D
+   Gaussian spot (5 parameters, 11 × 11 pixels, Poisson noise, starts perturbed by up
+   to 20%): the compile time, the time of the batch after compilation, fits per
+   second, and the ratio against a loop of lmfit fits and against a loop of sciflat's
+   SciPy-path fits, both timed on `--loop` fits (interleaved) and extrapolated to K.
+
+    python benchmarks/bench_many_fits.py --single --repeats 20
+    python benchmarks/bench_many_fits.py --many --ks 10 100 1000 10000
+    python benchmarks/bench_many_fits.py --many --cases spot --ks 100000 --loop 50
+
+Each figure is a median over `--repeats` (the batch: `--batch-repeats`) runs in one
+process; on a shared machine the ratios move by tens of percent: say so with them.
+"""
+
+import argparse
+import pathlib
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import lmfit
+import numpy as np
+
+
+jax.config.update("jax_enable_x64", True)
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import nist  # noqa: E402
+
+import sciflat  # noqa: E402
+
+
+def _lmfit(residuals_np, names, start, data, max_nfev=None):
+    params = lmfit.Parameters()
+    for name, value in zip(names, start, strict=True):
+        params.add(name, value=float(value))
+    return lmfit.minimize(residuals_np, params, args=data, max_nfev=max_nfev)
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    out = fn()
+    if hasattr(out, "p"):
+        jax.block_until_ready(out.p)
+    return time.perf_counter() - t0
+
+
+#
+# 1. One small fit
+#
+
+
+def single(repeats: int) -> None:
+    print(
+        "| problem | start | device ms | lmfit ms | SciPy path (lm) ms | device / lmfit "
+        "| SciPy path / lmfit | device digits | first device fit s |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    ratios = []
+    for p in nist.problems():
+        names = p.names
+
+        def res_np(params, x, y, p=p):
+            return p.f({k: params[k].value for k in p.names}, x, numpy=True) - y
+
+        for s in (1, 2):
+            variants = {
+                "device": lambda p=p, s=s: nist.fit(p, s, method="device"),
+                "lmfit": lambda p=p, s=s, r=res_np: _lmfit(
+                    r, p.names, p.starts[s - 1], (p.x, p.y)
+                ),
+                "lm": lambda p=p, s=s: nist.fit(p, s, method="lm"),
+            }
+            first = _timed(variants["device"])
+            for fn in variants.values():
+                fn()
+            times: dict[str, list[float]] = {k: [] for k in variants}
+            for _ in range(repeats):
+                for k, fn in variants.items():
+                    times[k].append(_timed(fn))
+            med = {k: statistics.median(v) for k, v in times.items()}
+            result = variants["device"]()
+            digits = min(
+                nist.digits(float(result.model[b]), c)
+                for b, c in zip(names, p.certified, strict=True)
+            )
+            ratio = med["device"] / med["lmfit"]
+            ratios.append(ratio)
+            print(
+                f"| {p.name} | {s} | {1e3 * med['device']:.3f} | {1e3 * med['lmfit']:.3f} "
+                f"| {1e3 * med['lm']:.3f} | {ratio:.2f} | {med['lm'] / med['lmfit']:.2f} "
+                f"| {digits:.1f} | {first:.2f} |",
+                flush=True,
+            )
+    print(f"\nmedian device / lmfit: {np.median(ratios):.2f} (max {max(ratios):.2f})")
+
+
+#
+# 2. Many fits
+#
+
+
+def misra_case(k: int, rng):
+    p = nist.read("Misra1a")
+    ys = p.y + 0.1 * rng.standard_normal((k, len(p.y)))
+    starts = np.tile(np.array(p.starts[1]), (k, 1))
+
+    def res_np(params, x, y):
+        return p.f({n: params[n].value for n in p.names}, x, numpy=True) - y
+
+    return dict(
+        residuals=p.residuals,
+        model=p.start(2),
+        names=p.names,
+        args=(p.x,),
+        data=ys,
+        starts=starts,
+        res_np=res_np,
+        x=p.x,
+        options={},  # the defaults of each: max_nfev 2000 (n + 1) for all three
+    )
+
+
+SIZE = 11
+_GRID = np.stack(np.meshgrid(np.arange(SIZE), np.arange(SIZE), indexing="ij"))
+GRID = _GRID.reshape(2, -1).astype(np.float64)
+
+
+def spot(m, xy, z):
+    r2 = (xy[0] - m["x0"]) ** 2 + (xy[1] - m["y0"]) ** 2
+    return m["a"] * jnp.exp(-r2 / (2 * m["s"] ** 2)) + m["b"] - z
+
+
+def spot_case(k: int, rng):
+    """Gpufit's 2-D Gaussian example: amplitude 10, offset 10, width 1, centre
+    (5, 5) ± 0.5, Poisson noise; starts the truth perturbed by up to 20%. Columns in
+    `p`'s order: a dict's keys sorted (a, b, s, x0, y0)."""
+    names = ("a", "b", "s", "x0", "y0")
+    truth = np.tile(np.array([10.0, 10.0, 1.0, 5.0, 5.0]), (k, 1))
+    truth[:, 3:5] += rng.uniform(-0.5, 0.5, (k, 2))
+    a, b, width, x0, y0 = (truth[:, i : i + 1] for i in range(5))
+    r2 = (GRID[0] - x0) ** 2 + (GRID[1] - y0) ** 2
+    mean = a * np.exp(-r2 / (2 * width**2)) + b
+    data = rng.poisson(mean).astype(np.float64)
+    starts = truth * (1 + rng.uniform(-0.2, 0.2, truth.shape))
+
+    def res_np(params, xy, z):
+        v = {n: params[n].value for n in names}
+        r2 = (xy[0] - v["x0"]) ** 2 + (xy[1] - v["y0"]) ** 2
+        return v["a"] * np.exp(-r2 / (2 * v["s"] ** 2)) + v["b"] - z
+
+    return dict(
+        residuals=spot,
+        model=dict(zip(names, starts[0], strict=True)),
+        names=names,
+        args=(GRID,),
+        data=data,
+        starts=starts,
+        res_np=res_np,
+        x=GRID,
+        # As Gpufit's benchmarks cap the iterations (its default: 25): a few of
+        # these low-signal spots wander for hundreds of evaluations, and a batch runs
+        # as long as its slowest fit. The same cap for all three.
+        options={"max_nfev": 100},
+    )
+
+
+def case_options(name: str) -> dict:
+    make = misra_case if name == "misra" else spot_case
+    return make(1, np.random.default_rng(0))["options"]
+
+
+def loop_per_fit(case, n: int, repeats: int) -> dict[str, float]:
+    """Seconds per fit of a loop of lmfit fits and of sciflat's SciPy-path fits
+    (`least_squares` defaults: MINPACK here), interleaved fit by fit."""
+    names, x = case["names"], case["x"]
+    as_model = lambda s: dict(zip(names, map(float, s), strict=True))
+    lm = lambda i: sciflat.least_squares(
+        case["residuals"],
+        as_model(case["starts"][i]),
+        args=(x, case["data"][i]),
+        progress=False,
+        **case["options"],
+    )
+    # lmfit counts the n + 1 calls of each finite-difference Jacobian: its cap is
+    # (n + 1) times the others' for the same number of iterations (as its default).
+    cap = case["options"].get("max_nfev")
+    cap = None if cap is None else cap * (len(names) + 1)
+    lf = lambda i: _lmfit(
+        case["res_np"], names, case["starts"][i], (x, case["data"][i]), cap
+    )
+    lm(0), lf(0)
+    per: dict[str, list[float]] = {"lmfit": [], "scipy": []}
+    for _ in range(repeats):
+        t = {"lmfit": 0.0, "scipy": 0.0}
+        for i in range(n):
+            for name, fn in (("lmfit", lf), ("scipy", lm)):
+                t[name] += _timed(lambda fn=fn, i=i: fn(i))
+        for name in per:
+            per[name].append(t[name] / n)
+    return {k: statistics.median(v) for k, v in per.items()}
+
+
+def many(cases: list[str], ks: list[int], loop: int, repeats: int, chunk) -> None:
+    print(f"JAX devices: {jax.devices()}")
+    for name in cases:
+        make = misra_case if name == "misra" else spot_case
+        rng = np.random.default_rng(0)
+        loop_case = make(loop, rng)
+        per = loop_per_fit(loop_case, loop, 1)
+        print(
+            f"\n### {name}: loop of {loop} fits, per fit: lmfit {1e3 * per['lmfit']:.3f} ms, "
+            f"SciPy path {1e3 * per['scipy']:.3f} ms (extrapolated to K below); "
+            f"options {case_options(name)}"
+        )
+        print(
+            "| K | compile s | batch s | fits/s | loop of lmfit s (extrap.) | lmfit loop / "
+            "batch | loop of SciPy path s (extrap.) | SciPy loop / batch | converged "
+            "| evaluations median / max |"
+        )
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for k in ks:
+            case = make(k, np.random.default_rng(1))
+            run = lambda case=case: sciflat.least_squares_batch(
+                case["residuals"],
+                case["model"],
+                args=case["args"],
+                batch_args=(case["data"],),
+                starts=case["starts"],
+                progress=False,
+                chunk_size=chunk,
+                **case["options"],
+            )
+            t0 = time.perf_counter()
+            run()
+            first = time.perf_counter() - t0
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                out = run()
+                times.append(time.perf_counter() - t0)
+            batch = statistics.median(times)
+            compile_s = max(first - batch, 0.0)
+            print(
+                f"| {k} | {compile_s:.1f} | {batch:.3f} | {k / batch:,.0f} "
+                f"| {k * per['lmfit']:.2f} | {k * per['lmfit'] / batch:.0f}× "
+                f"| {k * per['scipy']:.2f} | {k * per['scipy'] / batch:.0f}× "
+                f"| {int(out.converged.sum())} | {int(np.median(out.n_evaluations))} / "
+                f"{int(out.n_evaluations.max())} |",
+                flush=True,
+            )
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--single", action="store_true")
+    parser.add_argument("--many", action="store_true")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--batch-repeats", type=int, default=3)
+    parser.add_argument("--cases", nargs="*", default=["misra", "spot"])
+    parser.add_argument("--ks", nargs="*", type=int, default=[10, 100, 1000, 10000])
+    parser.add_argument("--loop", type=int, default=200, help="fits timed per loop")
+    parser.add_argument("--chunk-size", type=int, default=None)
+    parser.add_argument(
+        "--blas-threads",
+        type=int,
+        default=1,
+        help="OpenBLAS threads for everything (lmfit's covariance uses them; sciflat's "
+        "SciPy path limits them to 1 itself); 0: leave them alone",
+    )
+    args = parser.parse_args(argv)
+    print(f"jax {jax.__version__}, lmfit {lmfit.__version__}, {jax.default_backend()}")
+    if args.blas_threads:
+        from threadpoolctl import threadpool_limits
+
+        threadpool_limits(args.blas_threads, user_api="blas")
+        print(f"BLAS threads limited to {args.blas_threads}")
+    if args.single or not args.many:
+        single(args.repeats)
+    if args.many or not args.single:
+        many(args.cases, args.ks, args.loop, args.batch_repeats, args.chunk_size)
+
+
+if __name__ == "__main__":
+    main()

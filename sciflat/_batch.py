@@ -1,0 +1,500 @@
+"""Many least-squares fits of one structure as one compiled program.
+
+K starts, K datasets stacked along a leading axis, or both: `jax.vmap` of the device
+fit (`_lm.solve`), each fit stopping on its own, the batch axis sharded over every
+device of JAX's (`jax.shard_map`: each device stops when its own fits are done).
+Memory is K · m · n (the Jacobians), never K².
+"""
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpy.typing as npt
+from jaxtyping import Array, Float, PyTree
+
+from . import _device_least_squares as dls, _lm
+from ._flatten import Restructure, destructure
+from ._floats import promote_floats
+from ._gradients import Mode, choose_modes
+from ._problem import check_args, split_args
+from ._progress import progress_bar
+from ._result import FitResult, Status, _model_shaped
+from ._scipy_programs import Programs
+from ._scipy_start import start as float64_start
+from ._transforms import for_values, has_transforms, unwrapping
+from ._uncertainty import Uncertainty, _rank_cutoff, from_jacobian
+
+
+_M = TypeVar("_M")
+_WHO = "least_squares_batch"
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchResult(Generic[_M]):
+    """What [`sciflat.least_squares_batch`][] returns: K fits as arrays, and each as
+    a [`sciflat.FitResult`][] on request (`result[i]`).
+
+    `print(result)` summarises the batch: how many converged, the best, and every
+    fit that did not converge by index (never hidden in an average).
+
+    **Fields:**
+
+    - `p`: `(K, n)` fitted flat vectors (a fit that could not start keeps its start).
+    - `stderr_flat`: `(K, n)` standard errors in `p` order (NaN where the data do not
+        determine a parameter, or the fit did not start).
+    - `covariance`: `(K, n, n)`.
+    - `loss`: `(K,)` costs `0.5 Σr²` (NaN where the fit could not start).
+    - `status`, `message`: one per fit, as in `FitResult`.
+    - `n_evaluations`, `n_steps`: `(K,)` residual evaluations and accepted steps.
+    - `n_data`: the number of residuals of each fit.
+    - `starts`: `(K, n)` starting points.
+    - `re`: the [`sciflat.Restructure`][] of every fit.
+    - `unidentifiable`: per fit, the directions the data do not determine.
+    """
+
+    p: npt.NDArray[np.float64]
+    stderr_flat: npt.NDArray[np.float64]
+    covariance: npt.NDArray[np.float64]
+    loss: npt.NDArray[np.float64]
+    status: tuple[Status, ...]
+    message: tuple[str, ...]
+    n_evaluations: npt.NDArray[np.int64]
+    n_steps: npt.NDArray[np.int64]
+    n_data: int
+    starts: npt.NDArray[np.float64]
+    re: Restructure[_M] = dataclasses.field(repr=False)
+    unidentifiable: tuple[tuple[str, ...], ...] = ()
+    scale: tuple[str, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.p)
+
+    @property
+    def converged(self) -> npt.NDArray[np.bool_]:
+        """`(K,)`: which fits converged."""
+        return np.array([s == "converged" for s in self.status])
+
+    @property
+    def failed(self) -> list[int]:
+        """The indices of the fits that did not converge."""
+        return [i for i, s in enumerate(self.status) if s != "converged"]
+
+    @property
+    def best_index(self) -> int:
+        """The converged fit with the lowest loss (among all, if none converged)."""
+        ok = self.converged if self.converged.any() else np.ones(len(self), bool)
+        loss = np.where(ok & np.isfinite(self.loss), self.loss, np.inf)
+        return int(np.argmin(loss))
+
+    @property
+    def best(self) -> FitResult[_M]:
+        """`self[self.best_index]`."""
+        return self[self.best_index]
+
+    @property
+    def model(self) -> _M:
+        """Every fitted model at once: the model with a leading axis K on each
+        trainable leaf (`jax.vmap(re)(p)`)."""
+        return jax.vmap(self.re)(jnp.asarray(self.p))
+
+    @property
+    def stderr(self) -> Any:
+        """Standard errors in the model's structure, each leaf with a leading axis K."""
+        shaped = jax.vmap(lambda s: _model_shaped(self.re, s))
+        return jax.tree.map(np.asarray, shaped(jnp.asarray(self.stderr_flat)))
+
+    def __getitem__(self, i: int) -> FitResult[_M]:
+        """Fit `i` as a [`sciflat.FitResult`][] (with its uncertainty and report)."""
+        i = range(len(self))[i]
+        p = jnp.asarray(self.p[i])
+        unc = None
+        if np.isfinite(self.loss[i]):
+            unc = Uncertainty(
+                self.covariance[i], self.re, self.scale[i], self.unidentifiable[i]
+            )
+        cost = float(self.loss[i])
+        return FitResult(
+            model=self.re(p),
+            p=p,
+            loss=cost,
+            status=self.status[i],
+            message=self.message[i],
+            history=np.array([cost]),
+            n_steps=int(self.n_steps[i]),
+            re=self.re,
+            uncertainty=unc,
+            chisqr=2.0 * cost,
+            n_data=self.n_data,
+            n_evaluations=int(self.n_evaluations[i]),
+        )
+
+    @property
+    def results(self) -> list[FitResult[_M]]:
+        """Every fit as a `FitResult` (built on request: for K fits, K models)."""
+        return [self[i] for i in range(len(self))]
+
+    def summary(self) -> str:
+        """How many converged, the best, and the fits that did not converge."""
+        ok = self.converged
+        best = self.best_index
+        n_ok = int(ok.sum())
+        head = f"{len(self)} fits: {n_ok} converged, {len(self) - n_ok} not; "
+        lines = [head + f"best: fit {best} (loss {self.loss[best]:.6g})"]
+        if ok.any():
+            q = np.quantile(self.loss[ok], [0.0, 0.5, 1.0])
+            lines.append(
+                f"loss of the converged fits: min {q[0]:.6g}, median {q[1]:.6g}, "
+                f"max {q[2]:.6g}"
+            )
+        by_status: dict[str, list[int]] = {}
+        for i in self.failed:
+            by_status.setdefault(self.status[i], []).append(i)
+        for status, where in by_status.items():
+            shown = ", ".join(map(str, where[:20])) + (" ..." * (len(where) > 20))
+            lines.append(
+                f"{status} ({len(where)}): fits {shown}; e.g. fit {where[0]}: "
+                f"{self.message[where[0]]}"
+            )
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+def least_squares_batch(
+    residuals: Callable[..., Float[Array, "..."]],
+    model: _M,
+    *,
+    args: tuple = (),
+    batch_args: tuple | Sequence[tuple] = (),
+    starts: Float[Array, "k n"] | Sequence[Any] | None = None,
+    mode: Mode = "auto",
+    filter_spec: PyTree = True,
+    shard: bool | None = None,
+    chunk_size: int | None = None,
+    progress: bool = True,
+    **kwargs: Any,
+) -> BatchResult[_M]:
+    """K least-squares fits of one structure as one compiled program.
+
+    Each fit is the device fit of [`sciflat.least_squares`][] (`method="device"`:
+    MINPACK's Levenberg–Marquardt, its scaling and stopping rules), and all K run
+    together under `jax.vmap`, each stopping on its own: a fit that has finished is
+    carried unchanged while the others go on, so fit `i` of a batch equals the single
+    fit of its start and data. The fits differ in their start (`starts`), their data
+    (`batch_args`, stacked along a leading axis), or both; `args` is shared. On
+    several devices the batch axis is sharded over all of them.
+
+    !!! Example
+
+        ```python
+        # One model, 10,000 datasets: ys has shape (10000, len(x)).
+        batch = sciflat.least_squares_batch(
+            lambda m, x, y: m["a"] * jnp.exp(-m["k"] * x) - y,
+            {"a": 1.0, "k": 0.5}, args=(x,), batch_args=(ys,))
+        print(batch)                  # how many converged, the best, the failed ones
+        batch.model["k"]              # (10000,) fitted rates; batch.stderr["k"] too
+        batch[17]                     # fit 17 as a FitResult, with its report
+        ```
+
+    **Arguments:**
+
+    - `residuals`: `residuals(model, *args, *batch_args) -> array`, for one fit
+        (`batch_args` without their leading axis).
+    - `model`: the model (its structure, and the start of every fit if `starts` is
+        None).
+    - `args`: data shared by every fit.
+    - `batch_args`: data of each fit: a tuple whose array leaves are stacked along a
+        leading axis of length K, or a list of K tuples of the same structure.
+    - `starts`: None, an array `(K, n)` of flat vectors (in `p`'s order: see
+        `re.paths`; a dict's keys are sorted), or a sequence of K models of
+        `model`'s structure. A start that is not finite is a failed fit (reported by
+        index), not an error.
+    - `mode`: the Jacobian's mode, as in `least_squares`.
+    - `filter_spec`: as in `least_squares`.
+    - `shard`: split the batch over `jax.devices()` (default: when there are several).
+    - `chunk_size`: at most this many fits per program (one compilation; the last
+        chunk is padded), with a progress bar over the chunks. Default: all at once
+        on an accelerator; on a CPU, chunks of about 4 MB of Jacobians (722 fits of
+        121 residuals and 5 parameters), which keeps each turn in cache.
+    - `progress`: show that bar.
+    - `**kwargs`: `ftol`, `xtol`, `gtol`, `max_nfev`, `x_scale`, as in
+        `least_squares`.
+
+    **Returns:**
+
+    A [`sciflat.BatchResult`][].
+    """
+    model = promote_floats(model, _WHO)
+    residuals = unwrapping(residuals)
+    p0, re = float64_start(model, None, filter_spec, _WHO)
+    args = check_args(args, _WHO)
+    x0s = _starts(starts, p0, re, filter_spec)
+    data, k_data = _stack(batch_args)
+    k = _batch_size(len(x0s), k_data)
+    x0s = np.broadcast_to(x0s, (k, len(re))).copy()
+    opts, max_nfev = dls.options(kwargs, len(re), _WHO)
+    devices = jax.devices() if (shard is None or shard) else jax.devices()[:1]
+    if shard and len(devices) == 1:
+        devices = jax.devices()  # one device: nothing to split
+    if chunk_size is None:
+        chunk_size = _auto_chunk(residuals, re, args, data, x0s[0])
+    size = k if chunk_size is None else max(1, min(int(chunk_size), k))
+    size = -(-size // len(devices)) * len(devices)  # a multiple of the device count
+    chunks = list(range(0, k, size))
+    bar = progress_bar(
+        enabled=progress and len(chunks) > 1, desc=_WHO, unit="fit", total=k
+    )
+    outs, how = [], ""
+    n_shared = len(split_args(args)[0])
+    try:
+        fn = None
+        for lo in chunks:
+            index = np.minimum(np.arange(lo, lo + size), k - 1)  # pad by repeating
+            part = jax.tree.map(lambda a, at=index: a[at], data)
+            placed = _place((x0s[index], part), devices)
+            if fn is None:
+                programs = Programs(_build, residuals, re, (*args, *placed[1]))
+                kind = f"batch:{n_shared}:{len(devices)}"
+                fn, used = programs.first_working(
+                    kind, choose_modes(mode, True), placed[0], opts
+                )
+                how = f"Jacobian: {used} mode; batch of {k}"
+            leaves = split_args((*args, *placed[1]))[0]
+            out = fn(placed[0], opts, leaves)
+            outs.append((index[: min(size, k - lo)], out))
+            bar.update(min(size, k - lo))
+    finally:
+        bar.close()
+    return _result(outs, re, x0s, max_nfev, how, k)
+
+
+# On a CPU, a chunk's loop state (its Jacobians, their QR) is kept near this size:
+# larger, every turn streams it from memory (Gpufit's 2-D spot, 10,000 fits: 84 fits/s
+# in one piece, 205 in chunks of 500; `benchmarks/bench_many_fits.py`), and each chunk
+# also stops with its own slowest fit rather than the whole batch's.
+_CPU_CHUNK_BYTES = 4 * 2**20
+
+
+def _auto_chunk(residuals, re, args, data, x0) -> int | None:
+    if jax.default_backend() != "cpu":
+        return None
+    leaves, rebuild = split_args((*args, *jax.tree.map(lambda a: a[0], data)))
+    r = dls.residual_fn(residuals, re, rebuild)
+    m = jax.eval_shape(r, jnp.asarray(x0), leaves).shape[0]
+    return max(64, _CPU_CHUNK_BYTES // (8 * max(m, 1) * (len(re) + 1)))
+
+
+def _place(tree, devices):
+    """The batch axis split over `devices` (one device: left where it is)."""
+    if len(devices) == 1:
+        return jax.tree.map(jnp.asarray, tree)
+    mesh = jax.sharding.Mesh(np.array(devices), ("batch",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("batch"))
+    return jax.tree.map(lambda a: jax.device_put(a, sharding), tree)
+
+
+def _build(kind, residuals, re, rebuild, mode: str) -> Callable:
+    """`(x0s, options, leaves) -> per-fit outputs`: `vmap` of the device fit, over
+    the starts and the batched leaves (those after the first `n_shared`)."""
+    n_shared, n_devices = map(int, kind.split(":")[1:])
+    r = dls.residual_fn(residuals, re, rebuild)
+
+    def one(x0, opts, shared, batched):
+        leaves = [*shared, *batched]
+        m = jax.eval_shape(r, x0, leaves).shape[0]
+        dls.check_shape(m, x0.shape[0], _WHO)
+        both = dls.with_jacobian(lambda x: r(x, leaves), mode)
+        state = _lm.solve(both, x0, opts)
+        return _outputs(state)
+
+    def many(x0s, opts, shared, batched):
+        return jax.vmap(one, in_axes=(0, None, None, 0))(x0s, opts, shared, batched)
+
+    def fit(x0s, opts, leaves):
+        shared, batched = leaves[:n_shared], leaves[n_shared:]
+        if n_devices == 1:
+            return many(x0s, opts, shared, batched)
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:n_devices]), ("batch",))
+        spec, rep = jax.sharding.PartitionSpec("batch"), jax.sharding.PartitionSpec()
+        # Each device runs its own loop over its own fits: it stops when they are done.
+        return jax.shard_map(
+            many,
+            mesh=mesh,
+            in_specs=(spec, rep, rep, spec),
+            out_specs=spec,
+            check_vma=False,
+        )(x0s, opts, shared, batched)
+
+    return fit
+
+
+def _outputs(state: _lm.State) -> dict:
+    """What the host needs of one finished fit: the covariance is computed here, on
+    the device, as `from_jacobian` computes it (an SVD of the column-scaled
+    Jacobian), and the Jacobian is kept for the fits whose rank is deficient."""
+    jac = state.jac
+    m, n = jac.shape
+    d = jnp.sqrt(jnp.sum(jac * jac, axis=0))
+    d = jnp.where(d > 0, d, 1.0)
+    _, s, vt = _lm.svd(jac / d)
+    values = s**2
+    cutoff = _rank_cutoff((m, n)) ** 2 * jnp.max(values)
+    full = jnp.all(values > jnp.maximum(cutoff, np.finfo(np.float64).tiny))
+    v = vt.T
+    cost = 0.5 * state.fnorm**2
+    s2 = 2.0 * cost / (m - n) if m > n else jnp.nan
+    cov = s2 * (v / values) @ v.T / jnp.outer(d, d)
+    return dict(
+        x=state.x,
+        cost=cost,
+        nfev=state.nfev,
+        njev=state.njev,
+        info=state.info,
+        cov=cov,
+        full=full,
+        jac=jac,
+    )
+
+
+def _result(outs, re, x0s, max_nfev: int, how: str, k: int) -> BatchResult:
+    host = {key: [] for key in ("x", "cost", "nfev", "njev", "info", "cov", "full")}
+    jacs: list = []
+    for index, out in outs:
+        got = jax.device_get({key: out[key] for key in host})
+        for key in host:
+            host[key].append(np.asarray(got[key])[: len(index)])
+        jacs.append(out["jac"])
+    h = {key: np.concatenate(v) for key, v in host.items()}
+    n = len(re)
+    m = int(jacs[0].shape[1])
+    started = h["info"] != _lm.NONFINITE_START
+    p = np.where(started[:, None], h["x"], x0s)
+    loss = np.where(started, h["cost"], np.nan)
+    cov = np.where(started[:, None, None], h["cov"], np.nan)
+    dof = m - n
+    scales = [
+        f"s² (JᵀJ)⁻¹ with the residual variance s² = Σr² / (m - n) = "
+        f"{2 * c / dof if dof > 0 else np.nan:.6g} (m = {m} residuals, n = {n} "
+        "determined parameters)"
+        for c in loss
+    ]
+    dropped: list[tuple[str, ...]] = [()] * k
+    transforms = has_transforms(re(jnp.asarray(p[0])))
+    size = len(outs[0][0]) if outs else k
+    # Rank-deficient fits (and fits through transforms) go through `from_jacobian`,
+    # which names the undetermined directions, and the delta method.
+    for i in np.flatnonzero(started & (~h["full"] | transforms)):
+        jac = np.asarray(jacs[i // size][i % size])
+        unc = from_jacobian(jac, float(loss[i]), re)
+        x = jnp.asarray(p[i])
+        unc = for_values(unc, re, x, re(x))
+        cov[i], scales[i], dropped[i] = unc.covariance, unc.scale, unc.unidentifiable
+    status, message = [], []
+    for info in h["info"]:
+        s, text = dls.status_and_message(int(info), max_nfev)
+        status.append(s)
+        message.append(f"{text} (method: device; {how})")
+    with np.errstate(invalid="ignore"):
+        stderr = np.sqrt(np.diagonal(cov, axis1=1, axis2=2))
+    return BatchResult(
+        p=p,
+        stderr_flat=stderr,
+        covariance=cov,
+        loss=loss,
+        status=tuple(status),
+        message=tuple(message),
+        n_evaluations=h["nfev"].astype(np.int64),
+        n_steps=h["njev"].astype(np.int64),
+        n_data=m,
+        starts=x0s,
+        re=re,
+        unidentifiable=tuple(dropped),
+        scale=tuple(scales),
+    )
+
+
+def _starts(starts, p0: np.ndarray, re: Restructure, filter_spec) -> np.ndarray:
+    n = len(re)
+    if starts is None:
+        return p0[None]
+    if isinstance(starts, jax.Array | np.ndarray):
+        rows = np.asarray(starts)
+        if rows.ndim != 2 or rows.shape[1] != n:
+            raise ValueError(
+                f"`{_WHO}`: `starts` as an array must have shape (K, {n}) (one flat "
+                f"vector per fit), got {rows.shape}."
+            )
+        if not np.issubdtype(rows.dtype, np.floating):
+            raise TypeError(
+                f"`{_WHO}`: `starts` must be real floating, got {rows.dtype.name}."
+            )
+        return rows.astype(np.float64)
+    rows = []
+    for i, start in enumerate(starts):
+        q, r = destructure(promote_floats(start, _WHO), filter_spec, dtype=jnp.float64)
+        if r.paths != re.paths or len(r) != n:
+            raise ValueError(
+                f"`{_WHO}`: the members of the batch differ in structure: `starts[{i}]` "
+                f"has the trainable leaves {list(r.paths)[:8]} ({len(r)} numbers), "
+                f"the model {list(re.paths)[:8]} ({n}). Every fit of a batch has the "
+                "model's structure."
+            )
+        rows.append(np.asarray(q, np.float64))
+    if not rows:
+        raise ValueError(f"`{_WHO}`: `starts` is empty.")
+    return np.stack(rows)
+
+
+def _stack(batch_args) -> tuple[tuple, int | None]:
+    """`batch_args` as one tuple of stacked arrays, and K (None if there are none)."""
+    if isinstance(batch_args, list):
+        if not batch_args:
+            raise ValueError(f"`{_WHO}`: `batch_args` is an empty list.")
+        first = jax.tree.structure(tuple(batch_args[0]))
+        shapes0 = [np.shape(x) for x in jax.tree.leaves(tuple(batch_args[0]))]
+        for i, member in enumerate(batch_args):
+            shapes = [np.shape(x) for x in jax.tree.leaves(tuple(member))]
+            if jax.tree.structure(tuple(member)) != first or shapes != shapes0:
+                raise ValueError(
+                    f"`{_WHO}`: the members of the batch differ in structure: "
+                    f"`batch_args[{i}]` has leaves of shapes {shapes}, "
+                    f"`batch_args[0]` {shapes0}. Every fit of a batch has data of the "
+                    "same shapes (pad, or fit them in separate batches)."
+                )
+        batch_args = jax.tree.map(lambda *xs: np.stack(xs), *map(tuple, batch_args))
+    if not isinstance(batch_args, tuple):
+        raise TypeError(
+            f"`{_WHO}`: `batch_args` must be a tuple of arrays stacked along a leading "
+            f"axis, or a list of per-fit tuples; got {type(batch_args).__name__}."
+        )
+    leaves = jax.tree_util.tree_leaves_with_path(batch_args)
+    sizes = {}
+    for path, x in leaves:
+        if not hasattr(x, "shape") or np.ndim(x) == 0:
+            raise ValueError(
+                f"`{_WHO}`: `batch_args{jax.tree_util.keystr(path)}` has no leading "
+                "batch axis; data shared by every fit goes in `args`."
+            )
+        sizes[jax.tree_util.keystr(path)] = np.shape(x)[0]
+    if len(set(sizes.values())) > 1:
+        raise ValueError(
+            f"`{_WHO}`: the members of the batch differ in structure: the leading axes "
+            f"of `batch_args` differ: {sizes}. Each leaf holds one entry per fit."
+        )
+    return batch_args, (next(iter(sizes.values())) if sizes else None)
+
+
+def _batch_size(k_starts: int, k_data: int | None) -> int:
+    if k_data is None or k_starts == 1:
+        return k_starts if k_data is None else k_data
+    if k_data != k_starts:
+        raise ValueError(
+            f"`{_WHO}`: {k_starts} starts but {k_data} datasets in `batch_args`: give "
+            "one start (for every dataset), or as many starts as datasets."
+        )
+    return k_starts

@@ -1,0 +1,378 @@
+"""The device fit (`least_squares(method="device")`) and batches of it.
+
+References in each test: NIST's certified values, MINPACK (`method="lm"`, SciPy's
+`leastsq`) on the same problem, the single fit for every member of a batch, a closed
+form. Compilations are shared through module fixtures (one single-fit and one batch
+program of Misra1a); each whole-fit compilation costs seconds, so those tests are in
+the slow tier and the fast tier keeps the refusals and the algorithm's pieces.
+"""
+
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sciflat
+from helpers import float_dtypes_in_jaxpr
+from sciflat import _device_least_squares as dls, _lm
+
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _load_reader():
+    spec = importlib.util.spec_from_file_location(
+        "nist", ROOT / "benchmarks" / "nist.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+nist = _load_reader()
+PROBLEMS = {p.name: p for p in nist.problems()}
+MISRA = PROBLEMS["Misra1a"]
+K = 12
+
+
+def _values(result, problem):
+    return np.array([float(result.model[b]) for b in problem.names])
+
+
+def _stderr(result, problem):
+    return np.array([float(result.stderr[b]) for b in problem.names])
+
+
+@pytest.fixture(scope="module")
+def replicates():
+    """Misra1a's data with noise, K times: dataset 3 has a NaN, start 5 is inf, and
+    the starts vary, so the fits stop after different numbers of evaluations."""
+    rng = np.random.default_rng(0)
+    ys = MISRA.y + 0.1 * rng.standard_normal((K, len(MISRA.y)))
+    ys[3, 2] = np.nan
+    starts = np.array(MISRA.starts[0]) * rng.uniform(0.5, 2.0, (K, 2))
+    starts[5, 0] = np.inf
+    return ys, starts
+
+
+@pytest.fixture(scope="module")
+def batch(replicates):
+    ys, starts = replicates
+    return sciflat.least_squares_batch(
+        MISRA.residuals,
+        MISRA.start(1),
+        args=(MISRA.x,),
+        batch_args=(ys,),
+        starts=starts,
+        progress=False,
+    )
+
+
+def _single(y, start, **kwargs):
+    model = dict(zip(MISRA.names, map(float, start), strict=True))
+    return sciflat.least_squares(
+        MISRA.residuals, model, args=(MISRA.x, y), progress=False, **kwargs
+    )
+
+
+@pytest.mark.slow  # compiles the whole fit: 2-4 s on 2 quiet cores
+def test_misra1a_equals_minpack_and_nist():
+    for start in (1, 2):
+        ours = nist.fit(MISRA, start, method="device")
+        theirs = nist.fit(MISRA, start, method="lm")
+        assert ours.status == "converged", ours.message
+        assert "method: device" in ours.message
+        np.testing.assert_allclose(ours.p, theirs.p, rtol=1e-9)
+        np.testing.assert_allclose(
+            ours.uncertainty.stderr, theirs.uncertainty.stderr, rtol=1e-7
+        )
+        assert abs(ours.n_evaluations - theirs.raw.nfev) <= 1  # the same algorithm
+        np.testing.assert_allclose(_values(ours, MISRA), MISRA.certified, rtol=1e-6)
+        np.testing.assert_allclose(
+            _stderr(ours, MISRA), MISRA.certified_stderr, rtol=1e-4
+        )
+        assert ours.chisqr == pytest.approx(MISRA.certified_rss, rel=1e-8)
+        assert len(ours.history) == ours.n_steps and ours.history[-1] == ours.loss
+        assert ours.raw.nfev == ours.n_evaluations and ours.raw.success
+        assert "[[Variables]]" in str(ours)
+
+
+@pytest.fixture(scope="module")
+def nist_fits():
+    return {
+        (name, s): (nist.fit(p, s, method="device"), nist.fit(p, s, method="lm"))
+        for name, p in PROBLEMS.items()
+        for s in (1, 2)
+    }
+
+
+@pytest.mark.slow  # a compilation per problem: ~3 s each on 2 quiet cores
+@pytest.mark.parametrize("start", [1, 2])
+@pytest.mark.parametrize("name", sorted(PROBLEMS))
+def test_nist_certified_digits_and_minpack(nist_fits, name, start):
+    problem = PROBLEMS[name]
+    ours, minpack = nist_fits[name, start]
+    assert ours.success, ours.message
+    value_digits = [
+        nist.digits(v, c)
+        for v, c in zip(_values(ours, problem), problem.certified, strict=True)
+    ]
+    stderr_digits = [
+        nist.digits(s, c)
+        for s, c in zip(_stderr(ours, problem), problem.certified_stderr, strict=True)
+    ]
+    assert min(value_digits) >= 6, value_digits
+    assert min(stderr_digits) >= 4, stderr_digits
+    assert ours.chisqr == pytest.approx(problem.certified_rss, rel=1e-6)
+    # MINPACK on the same problem: the same minimum, about the same evaluations (a
+    # QR + SVD in place of a pivoted QR and Givens rotations rounds differently).
+    np.testing.assert_allclose(ours.p, minpack.p, rtol=1e-6)
+    np.testing.assert_allclose(
+        ours.uncertainty.stderr, minpack.uncertainty.stderr, rtol=1e-5
+    )
+    assert abs(ours.n_evaluations - minpack.raw.nfev) <= 3
+
+
+@pytest.mark.slow  # compiles the whole fit: 2-4 s on 2 quiet cores
+def test_batch_equals_single_fits_and_finished_fits_are_not_moved(batch, replicates):
+    ys, starts = replicates
+    assert len(batch) == K and batch.p.shape == (K, 2)
+    ok = [i for i in range(K) if i not in (3, 5)]
+    # The fits stop at different turns: the early ones were carried, unchanged.
+    assert len({int(batch.n_evaluations[i]) for i in ok}) > 1
+    for i in ok:
+        single = _single(ys[i], starts[i], method="device")
+        assert batch.status[i] == single.status == "converged"
+        np.testing.assert_allclose(batch.p[i], single.p, rtol=1e-10, atol=0)
+        np.testing.assert_allclose(
+            batch.stderr_flat[i], single.uncertainty.stderr, rtol=1e-10
+        )
+        assert batch.n_evaluations[i] == single.n_evaluations
+        assert batch.loss[i] == pytest.approx(single.loss, rel=1e-10)
+        fit = batch[i]
+        assert fit.status == "converged" and float(fit.model["b1"]) == batch.p[i, 0]
+        np.testing.assert_allclose(fit.uncertainty.stderr, batch.stderr_flat[i])
+    assert batch.model["b1"].shape == (K,)
+    np.testing.assert_allclose(batch.stderr["b2"], batch.stderr_flat[:, 1])
+
+
+@pytest.mark.slow  # compiles the whole fit: 2-4 s on 2 quiet cores
+def test_failed_fits_are_reported_by_index(batch, replicates):
+    assert batch.failed == [3, 5]
+    assert batch.status[3] == batch.status[5] == "nonfinite"
+    assert "non-finite at the start" in batch.message[3]
+    assert np.isnan(batch.loss[3]) and np.isnan(batch.stderr_flat[5]).all()
+    np.testing.assert_array_equal(batch.p[5], replicates[1][5])  # kept its start
+    text = str(batch)
+    assert f"{K} fits: {K - 2} converged, 2 not" in text
+    assert "nonfinite (2): fits 3, 5" in text
+    best = batch.best_index
+    assert batch.converged[best]
+    assert batch.loss[best] == np.nanmin(np.where(batch.converged, batch.loss, np.nan))
+
+
+def test_batches_of_other_structure_are_clear_errors(replicates):
+    ys, _ = replicates
+    fit = lambda **kw: sciflat.least_squares_batch(
+        MISRA.residuals, MISRA.start(1), progress=False, **kw
+    )
+    with pytest.raises(ValueError, match=r"differ in structure.*batch_args\[1\]"):
+        fit(batch_args=[(MISRA.x, ys[0]), (MISRA.x[:5], ys[1][:5])])
+    with pytest.raises(ValueError, match="differ in structure: the leading axes"):
+        fit(batch_args=(np.tile(MISRA.x, (3, 1)), ys))
+    with pytest.raises(ValueError, match=r"differ in structure: `starts\[1\]`"):
+        fit(args=(MISRA.x, MISRA.y), starts=[{"b1": 1.0, "b2": 1.0}, {"b1": 1.0}])
+    with pytest.raises(ValueError, match=r"shape \(K, 2\)"):
+        fit(args=(MISRA.x, MISRA.y), starts=np.ones((3, 3)))
+    with pytest.raises(ValueError, match="4 starts but 12 datasets"):
+        fit(args=(MISRA.x,), batch_args=(ys,), starts=np.ones((4, 2)))
+    with pytest.raises(ValueError, match="no leading batch axis"):
+        fit(batch_args=(np.float64(1.0),))
+
+
+def test_what_the_device_fit_refuses():
+    data = (MISRA.x, MISRA.y)
+    with pytest.raises(ValueError, match="does not take bounds"):
+        nist.fit(MISRA, 1, method="device", bounds={"b1": (0.0, None)})
+    with pytest.raises(TypeError, match="cannot call `callback`"):
+        nist.fit(MISRA, 1, method="device", callback=lambda *a: None)
+    with pytest.raises(TypeError, match=r"\['loss'\]"):
+        nist.fit(MISRA, 1, method="device", loss="soft_l1")
+    with pytest.raises(ValueError, match="at least as many residuals"):
+        sciflat.least_squares(
+            lambda m, x, y: m["a"] * x[:1] - y[:1] + m["b"],
+            {"a": 1.0, "b": 2.0},
+            args=data,
+            method="device",
+        )
+
+
+@pytest.mark.slow  # compiles the whole fit: 2-4 s on 2 quiet cores
+def test_a_nonfinite_trial_step_is_shrunk_not_a_stop():
+    """log(b) = log(0.01) from b = 1: the Gauss–Newton step goes to b < 0 (NaN
+    residuals). MINPACK cannot shrink such a step (SciPy's path stops); the device
+    fit treats it as a failed step and converges to the closed form b = 0.01."""
+    residuals = lambda m, c: jnp.log(m["b"]) - c
+    c = jnp.full(3, jnp.log(0.01))
+    ours = sciflat.least_squares(residuals, {"b": 1.0}, args=(c,), method="device")
+    lm = sciflat.least_squares(residuals, {"b": 1.0}, args=(c,), method="lm")
+    assert lm.status == "nonfinite"
+    assert ours.status == "converged", ours.message
+    assert float(ours.model["b"]) == pytest.approx(0.01, rel=1e-10)
+
+
+def test_the_program_computes_in_float64_only():
+    model = {"b1": jnp.asarray(1.0), "b2": jnp.asarray(1.0)}
+    _, re = sciflat.destructure(model, dtype=jnp.float64)
+    leaves, rebuild = sciflat._scipy_problem.split_args((MISRA.x, MISRA.y))
+    opts, _ = dls.options({}, 2, "test")
+    for mode in ("forward", "reverse"):
+        fn = dls._build("device:5", MISRA.residuals, re, rebuild, mode)
+        jaxpr = jax.make_jaxpr(fn)(jnp.array(MISRA.starts[0]), opts, leaves)
+        assert float_dtypes_in_jaxpr(jaxpr) == {"float64"}
+
+
+def test_lmpar_meets_the_radius_as_minpack_asks():
+    """Moré's parameter: `||D p|| = delta` to 10% when the Gauss–Newton step is
+    longer than the radius (else `par = 0` and the Gauss–Newton step)."""
+    s = jnp.array([3.0, 0.5, 1e-3])
+    g = jnp.array([1.0, -2.0, 0.3])
+    lmpar = jax.jit(_lm._lmpar, static_argnums=4)  # one compilation for every delta
+    for delta in (0.01, 0.5, 2.0, 1e6):
+        par, a = lmpar(s, g, jnp.asarray(delta), jnp.asarray(0.0), 10)
+        gauss_newton = g / s
+        if np.linalg.norm(gauss_newton) <= 1.1 * delta:
+            assert float(par) == 0.0
+            np.testing.assert_allclose(a, gauss_newton)
+        else:
+            assert abs(float(jnp.linalg.norm(a)) - delta) <= 0.1 * delta
+            np.testing.assert_allclose(a, s * g / (s**2 + par), rtol=1e-12)
+
+
+@pytest.mark.slow  # another compilation (the batch of starts), ~3 s
+def test_multistart_with_the_device_method_is_one_batch():
+    x = jnp.linspace(0.0, 6.0, 60)
+    y = jnp.sin(3.3 * x)
+    residuals = lambda m, x, y: jnp.sin(m["w"] * x) - y
+    starts = np.linspace(0.5, 5.0, 8)[:, None]
+    ours = sciflat.multistart(
+        sciflat.least_squares,
+        residuals,
+        {"w": 1.0},
+        starts,
+        args=(x, y),
+        method="device",
+    )
+    minpack = sciflat.multistart(
+        sciflat.least_squares,
+        residuals,
+        {"w": 1.0},
+        starts,
+        args=(x, y),
+        method="lm",
+    )
+    assert "batch of 8" in ours.best.message
+    assert float(ours.best.model["w"]) == pytest.approx(3.3, rel=1e-9)
+    for a, b in zip(ours.results, minpack.results, strict=True):
+        assert a.status == b.status
+        np.testing.assert_allclose(a.p, b.p, rtol=1e-7)
+    with pytest.raises(ValueError, match="does not take bounds"):
+        sciflat.multistart(
+            sciflat.least_squares,
+            residuals,
+            {"w": 1.0},
+            4,
+            args=(x, y),
+            bounds={"['w']": (0.5, 5.0)},
+            method="device",
+        )
+
+
+@pytest.mark.slow  # a compilation for the chunk's shape and one with a transform
+def test_chunks_and_transforms_equal_the_whole_batch(batch, replicates):
+    ys, starts = replicates
+    chunked = sciflat.least_squares_batch(
+        MISRA.residuals,
+        MISRA.start(1),
+        args=(MISRA.x,),
+        batch_args=(ys,),
+        starts=starts,
+        chunk_size=5,
+        progress=False,
+    )
+    assert chunked.status == batch.status
+    np.testing.assert_allclose(chunked.p, batch.p, rtol=1e-10)
+    np.testing.assert_allclose(chunked.stderr_flat, batch.stderr_flat, rtol=1e-10)
+    # A transform: standard errors of the constrained value, as the SciPy path's.
+    model = {"b1": sciflat.Positive(250.0), "b2": 5e-4}
+    on_values = sciflat.least_squares_batch(
+        MISRA.residuals,
+        model,
+        args=(MISRA.x,),
+        batch_args=(ys[:2],),
+        progress=False,
+    )
+    lm = _single_model(model, ys[1])
+    np.testing.assert_allclose(
+        on_values.stderr_flat[1], lm.uncertainty.stderr, rtol=1e-6
+    )
+
+
+def _single_model(model, y):
+    return sciflat.least_squares(
+        MISRA.residuals, model, args=(MISRA.x, y), method="lm", progress=False
+    )
+
+
+_SHARDED = """
+import json, sys
+import jax
+import numpy as np
+jax.config.update("jax_enable_x64", True)
+sys.path.insert(0, "benchmarks")
+import nist
+import sciflat
+p = nist.read("Misra1a")
+ys = p.y + 0.1 * np.random.default_rng(1).standard_normal((10, len(p.y)))
+ys[3, 2] = np.nan
+run = lambda shard: sciflat.least_squares_batch(
+    p.residuals, p.start(1), args=(p.x,), batch_args=(ys,), shard=shard,
+    progress=False)
+a, b = run(True), run(False)
+print(json.dumps({"devices": jax.device_count(), "status": [a.status, b.status],
+                  "p": [a.p.tolist(), b.p.tolist()],
+                  "stderr": [np.nan_to_num(a.stderr_flat).tolist(),
+                             np.nan_to_num(b.stderr_flat).tolist()],
+                  "nfev": [a.n_evaluations.tolist(), b.n_evaluations.tolist()]}))
+"""
+
+
+@pytest.mark.slow  # a fresh interpreter with 4 CPU devices, two compilations
+def test_sharded_over_four_devices_equals_unsharded():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        [sys.executable, "-c", _SHARDED],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["devices"] == 4
+    assert out["status"][0] == out["status"][1] and out["status"][0][3] == "nonfinite"
+    # 10 fits over 4 devices: padded to 12, the padding dropped.
+    assert len(out["p"][0]) == 10
+    np.testing.assert_allclose(out["p"][0], out["p"][1], rtol=1e-10)
+    np.testing.assert_allclose(out["stderr"][0], out["stderr"][1], rtol=1e-10)
+    assert out["nfev"][0] == out["nfev"][1]
