@@ -38,8 +38,14 @@ MESSAGES = {
         "nonfinite",
         "The residuals or the Jacobian are non-finite at the start.",
     ),
-    1: ("converged", "Converged: the sum of squares decreases by at most `ftol`."),
-    2: ("converged", "Converged: the step is at most a fraction `xtol` of `x`."),
+    1: (
+        "converged",
+        "Converged: the sum of squares decreases by at most a fraction `ftol`.",
+    ),
+    2: (
+        "converged",
+        "Converged: the step is at most a fraction `xtol` of the parameters.",
+    ),
     3: ("converged", "Converged: both the `ftol` and the `xtol` tests hold."),
     4: (
         "converged",
@@ -50,7 +56,10 @@ MESSAGES = {
         "converged",
         "Converged: `ftol` is too small, no further reduction is possible.",
     ),
-    7: ("converged", "Converged: `xtol` is too small, `x` cannot be improved."),
+    7: (
+        "converged",
+        "Converged: `xtol` is too small, the parameters cannot be improved.",
+    ),
     8: (
         "converged",
         "Converged: `gtol` is too small, the gradient vanishes to precision.",

@@ -27,12 +27,9 @@ def _blas_controller():
 def blas_threads_limit(blas_threads: BlasThreads, size: int):
     """Limit the BLAS threads SciPy's own linear algebra uses during the fit.
 
-    On small problems OpenBLAS's threads cost far more than they save: on a shared
-    2-core machine one L-BFGS-B step (`setulb`, 4 parameters) took ~10 ms with the
-    default threads and ~40 µs with one. The limit also reaches the loss where JAX
-    calls LAPACK (jaxlib's CPU `jnp.linalg` kernels are SciPy's OpenBLAS; XLA's own
-    kernels have their own pool): kept on purpose, see docs/scipy.md ("BLAS threads")
-    for the measurement. `"auto"`: one thread while `size` <= 10**7.
+    Rule (`"auto"`): one thread while `size` <= 10**7, where OpenBLAS's threads cost
+    more than they save; it also reaches jaxlib's CPU `jnp.linalg` kernels in the loss
+    (SciPy's OpenBLAS), on purpose. docs/scipy.md ("BLAS threads") has the figures.
     """
     if blas_threads == "auto":
         blas_threads = 1 if size <= 10**7 else None

@@ -11,6 +11,7 @@ import numpy as np
 import scipy.optimize
 from jaxtyping import Array, Float, PyTree
 
+from . import _lm
 from ._floats import promote_floats
 from ._gradients import Mode, choose_modes
 from ._problem import (
@@ -308,17 +309,11 @@ def _solve(method, start, lb_ub, res_fn, jac_fn, leaves, re, tracker, limit, kwa
 class _JacobianAhead:
     """The Jacobian at each new point, dispatched as soon as its residuals are in.
 
-    SciPy asks for the Jacobian at the point whose residuals it has just accepted. JAX
-    runs a computation above ~1000 flops on a worker thread, which falls asleep while
-    SciPy takes its step and is woken, at ~90 µs, for every call (docs/scipy.md, "JAX's
-    CPU async dispatch"). Started right after the residuals, the Jacobian runs while
-    SciPy decides, and is ready when asked for; one at a rejected point is dropped.
-    Only while a Jacobian takes under `_AHEAD_MAX_S` (measured on the calls not started
-    ahead: an expensive one, as through an ODE solve, would hold up the next residuals)
-    and runs on the worker (one that JAX ran on this thread, as it does a computation
-    it estimates cheap, ODE solves included, is done when the call returns: there is no
-    wake-up to hide). The same compiled function at the same point: the values are the
-    same either way."""
+    Rule: start it ahead while the last Jacobian computed on request ran on JAX's
+    worker thread (not done when its call returned) and took under `_AHEAD_MAX_S`;
+    use a started one only at its own point. It hides the worker's wake-up while SciPy
+    decides (docs/scipy.md, "JAX's CPU async dispatch", has the figures); the same
+    compiled function at the same point gives the same values either way."""
 
     def __init__(self, jac_fn, leaves):
         self.jac_fn, self.leaves = jac_fn, leaves
@@ -342,26 +337,17 @@ class _JacobianAhead:
         return out
 
 
-# About five thread wake-ups: a Jacobian this cheap costs little where it is dropped.
+# A Jacobian this cheap costs little where it is dropped (about five wake-ups).
 _AHEAD_MAX_S = 5e-4
 
 
-# MINPACK's `lmder`, as `scipy.optimize.leastsq` calls it: the iterates of
-# `least_squares(method="lm")` exactly (tested), without the per-call wrappers that take
-# half the time of a small fit (0.49 vs 0.85 ms for NIST Chwirut1). Its `info` codes
-# in `least_squares`' `status` numbering, with what each means.
+# Rule: `lm` calls MINPACK's `lmder` through `scipy.optimize.leastsq`, whose iterates
+# are `least_squares(method="lm")`'s exactly (tested), without its per-call wrappers
+# (docs/parameter_estimation.md has what they cost a small fit).
 _MINPACK_OPTIONS = {"ftol", "xtol", "gtol", "x_scale", "max_nfev"}
-_MINPACK_STATUS = {
-    0: (-1, "MINPACK refused its input."),
-    1: (2, "Converged: the sum of squares decreases by at most a fraction `ftol`."),
-    2: (3, "Converged: the step is at most a fraction `xtol` of the parameters."),
-    3: (4, "Converged: both the `ftol` and the `xtol` tests hold."),
-    4: (1, "Converged: the residuals are orthogonal to the Jacobian to `gtol`."),
-    5: (0, "Reached `max_nfev` residual evaluations."),
-    6: (2, "Converged: `ftol` is too small, no further reduction is possible."),
-    7: (3, "Converged: `xtol` is too small, the parameters cannot be improved."),
-    8: (1, "Converged: `gtol` is too small, the gradient vanishes to precision."),
-}
+# MINPACK's `info` code -> `least_squares`' `status` numbering. The words are the
+# device fit's (`_lm.MESSAGES`): one table of what MINPACK's codes mean.
+_MINPACK_STATUS = {0: -1, 1: 2, 2: 3, 3: 4, 4: 1, 5: 0, 6: 2, 7: 3, 8: 1}
 
 
 def _minpack(fun, jac, x0, *, ftol, xtol, gtol, max_nfev, x_scale="jac"):
@@ -387,7 +373,9 @@ def _minpack(fun, jac, x0, *, ftol, xtol, gtol, max_nfev, x_scale="jac"):
         diag=diag,
     )
     x, info, code = out[0], out[2], out[4]  # with `full_output`, five things
-    status, message = _MINPACK_STATUS.get(code, (-1, f"MINPACK's info {code}."))
+    status = _MINPACK_STATUS.get(code, -1)
+    unknown = "MINPACK refused its input." if code == 0 else f"MINPACK's info {code}."
+    message = _lm.MESSAGES.get(code, (None, unknown))[1]
     f, J = info["fvec"], jac(x)  # `least_squares` too asks for the final Jacobian
     grad = J.T @ f
     return scipy.optimize.OptimizeResult(
