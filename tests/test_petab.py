@@ -458,3 +458,15 @@ def test_boehm_log_likelihood_at_the_published_fit_is_amicis(boehm):
     np.testing.assert_allclose(
         0.5 * float(jnp.sum(r**2)) + boehm.residual_offset, -llh, rtol=1e-12
     )
+
+
+def test_public_names_are_lazy_and_a_missing_extra_names_it(tmp_path, monkeypatch):
+    from sciflat import _petab_problem, _petab_sbml
+
+    assert sciflat.petab_problem is _petab_problem.petab_problem
+    assert sciflat.PetabProblem is _petab_problem.PetabProblem
+    assert {"petab_problem", "PetabProblem", "ReactionODE"} <= set(dir(sciflat))
+    path = small_problem(tmp_path)
+    monkeypatch.setitem(__import__("sys").modules, "libsbml", None)
+    with pytest.raises(ImportError, match=r'pip install "sciflat\[petab\]"'):
+        _petab_sbml.read_sbml(str(path.parent / "model.xml"))
