@@ -12,7 +12,8 @@ its published fit, and fitted from scratch from many starts.
    each fitted by `sciflat.least_squares` (dogbox: a trust region with the bounds of
    the table as an active set; the Jacobian by forward mode through Kvaerno5) on the
    residuals whose half sum of squares is the Gaussian negative log-likelihood with the
-   noise estimated (plus a constant); `sciflat.multistart` compiles once.
+   noise estimated (plus a constant); `sciflat.multistart` compiles once. The starts
+   that end in the best basin are polished by L-BFGS-B on -log L.
 4. The waterfall plot (every start's final -log L, sorted), the best fit over the data,
    and the best fit's standard errors and correlations (from the Hessian of -log L).
 """
@@ -78,6 +79,23 @@ def fit_all(problem, starts, ftol, log=False):
     return runs, times
 
 
+def polish(problem, results, llhs, basin=1.0):
+    """Each result within `basin` of the best log-likelihood, refitted from where it
+    stopped by L-BFGS-B on -log L (kept if better)."""
+    best = float(np.max(llhs))
+    out, n = list(results), 0
+    for i, (result, llh) in enumerate(zip(results, llhs, strict=True)):
+        if llh < best - basin:
+            continue
+        n += 1
+        again = sciflat.minimize(
+            problem.nll, result.model, bounds=problem.bounds, progress=False
+        )
+        if float(problem.llh(again.model)) > llh:
+            out[i] = again
+    return out, n
+
+
 def main(
     starts: int = 4,
     seed: int = 0,
@@ -111,8 +129,16 @@ def main(
     runs, times = fit_all(problem, samples, ftol, log=log)
     total_s = time.perf_counter() - t
     llhs = np.array([float(problem.llh(r.model)) for r in runs.results])
+    # dogbox at ftol 1e-8 stops 1e-5 to 1e-3 short of the optimum; the starts that end
+    # in the best basin are polished by L-BFGS-B on -log L (a few seconds each).
+    t = time.perf_counter()
+    results, polished = polish(problem, runs.results, llhs)
+    polish_s = time.perf_counter() - t
+    total_s += polish_s
+    llhs_dogbox = llhs
+    llhs = np.array([float(problem.llh(r.model)) for r in results])
     reached = llhs >= TARGET
-    best = max(runs.results, key=lambda r: float(problem.llh(r.model)))
+    best = max(results, key=lambda r: float(problem.llh(r.model)))
     best = problem.uncertainty(best)
     llh_best = float(problem.llh(best.model))
     per_start = total_s / starts
@@ -121,6 +147,9 @@ def main(
         f"{starts} starts (Latin hypercube in the log10 bounds), least_squares (dogbox): "
         f"{total_s:.1f} s, {per_start:.1f} s per start (compiling first: "
         f"{compile_s:.1f} s)"
+    )
+    print(
+        f"polished {polished} starts in the best basin with L-BFGS-B: {polish_s:.1f} s"
     )
     print(
         f"best log-likelihood {llh_best:.6f} (published optimum {AMICI_LLH:.6f}); "
@@ -143,6 +172,8 @@ def main(
         llh_nominal=llh_nominal,
         llh_best=llh_best,
         llhs=llhs.tolist(),
+        llhs_dogbox=llhs_dogbox.tolist(),
+        polished=polished,
         fraction_reached=float(reached.mean()),
         seconds_per_start=per_start,
         seconds_per_converged_start=per_converged,
@@ -169,7 +200,7 @@ def plot(problem, best, llhs, out: str) -> list[str]:
     order = np.sort(-llhs)
     ax.plot(np.arange(1, len(order) + 1), order, "o-", ms=4)
     ax.axhline(-AMICI_LLH, color="k", ls="--", lw=1, label="published optimum")
-    ax.set_yscale("symlog", linthresh=1.0, linscale=0.2)
+    ax.set_yscale("log")
     ax.set_xlabel("start (sorted)")
     ax.set_ylabel("final −log L")
     ax.set_title(f"Boehm 2014: waterfall of {len(llhs)} starts")
