@@ -838,7 +838,12 @@ class PetabProblem:
         if method == "lhs":
             from scipy.stats import qmc
 
-            u = qmc.LatinHypercube(d=d, rng=np.random.default_rng(seed)).random(n)
+            try:  # SciPy >= 1.15 takes `rng`; older ones `seed`
+                sampler = qmc.LatinHypercube(d=d, rng=np.random.default_rng(seed))
+            except TypeError:
+                old: dict[str, Any] = {"seed": seed}
+                sampler = qmc.LatinHypercube(d, **old)
+            u = sampler.random(n)
         elif method == "uniform":
             u = np.random.default_rng(seed).uniform(size=(n, d))
         else:
