@@ -33,6 +33,11 @@ if typing.TYPE_CHECKING:
         MultiStartResult as MultiStartResult,
         multistart as multistart,
     )
+    from ._petab_problem import (
+        PetabProblem as PetabProblem,
+        ReactionODE as ReactionODE,
+        petab_problem as petab_problem,
+    )
     from ._scipy_least_squares import least_squares as least_squares
     from ._scipy_minimize import minimize as minimize
 
@@ -44,6 +49,10 @@ _LAZY = {
     "minimize": "._scipy_minimize",
     "multistart": "._multistart",
     "MultiStartResult": "._multistart",
+    # PEtab: python-libsbml, SymPy, PyYAML and Diffrax (the `petab` extra).
+    "petab_problem": "._petab_problem",
+    "PetabProblem": "._petab_problem",
+    "ReactionODE": "._petab_problem",
 }
 
 

@@ -322,3 +322,23 @@ def test_parameter_estimation_losses_stay_float64(lotka):
     ude = lotka.UDE(1.0, 2.0, 4, key=jax.random.key(0))  # a float32 MLP inside
     p, re = sciflat.destructure(ude, dtype=jnp.float64)
     sciflat.assert_dtypes(lambda p, ts, ys: lotka.ude_mse(re(p), ts, ys), p, ts, ys)
+
+
+#
+# PEtab benchmark: Boehm et al. 2014
+#
+
+
+def test_boehm_example_reproduces_the_published_fit_and_fits(tmp_path):
+    boehm = load("parameter_estimation", "boehm.py")
+    run = boehm.main(starts=2, seed=0, out=str(tmp_path))
+    np.testing.assert_allclose(run["llh_nominal"], boehm.AMICI_LLH, rtol=1e-6)
+    # Every start improved on where it began, and the best has standard errors.
+    problem = run["problem"]
+    starts = problem.sample_starts(2, seed=0)
+    begun = [float(problem.llh(s)) for s in starts]
+    assert all(a > b for a, b in zip(run["llhs"], begun, strict=True))
+    assert run["llh_best"] == max(run["llhs"])
+    assert np.isfinite(run["best"].uncertainty.stderr).any()
+    for path in run["plots"]:
+        assert pathlib.Path(path).stat().st_size > 10_000

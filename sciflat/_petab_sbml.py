@@ -1,0 +1,371 @@
+"""An SBML model as a symbolic ODE: species, compartments, parameters, rules, reactions.
+
+Reads the subset of SBML (levels 2 and 3) that the PEtab benchmark models without events
+use, with python-libsbml, into SymPy expressions: the right-hand side dx/dt(t, x, k), the
+initial state x0(k) and every other quantity a formula may name. The state holds each
+species as its formulas see it: a concentration (amount / compartment size) for
+`hasOnlySubstanceUnits="false"`, an amount otherwise; reaction rates are amounts per
+time, so d[S]/dt = sum(stoichiometry * rate) / size. Anything outside the subset is a
+`ValueError` naming the element, never a silently different model.
+"""
+
+import dataclasses
+import math
+from typing import Any
+
+
+try:
+    import sympy
+except ImportError:  # pragma: no cover (the `petab` extra installs it)
+    raise ImportError(
+        'sciflat\'s PEtab reader needs sympy: pip install "sciflat[petab]".'
+    ) from None
+
+
+def _libsbml() -> Any:
+    try:
+        import libsbml
+    except ImportError:
+        raise ImportError(
+            'Reading SBML needs python-libsbml and sympy: pip install "sciflat[petab]".'
+        ) from None
+    return libsbml
+
+
+Expr = Any  # a SymPy expression (SymPy's own annotations are too loose to check)
+
+
+@dataclasses.dataclass(frozen=True)
+class SbmlOde:
+    """The ODE of an SBML model, symbolic.
+
+    **Fields:**
+
+    - `species`: the state's ids, in order.
+    - `rhs`: dx/dt, one expression per state, in `time`, the state's symbols and
+        the `constants`' symbols (assignment rules substituted).
+    - `x0`: the initial state, in the `constants`' symbols.
+    - `constants`: every parameter and compartment a formula may name, with its
+        value in the model (`{id: float}`).
+    - `expressions`: what an observable formula may name besides the state and the
+        constants: assignment-rule targets, as expressions of those.
+    - `time`: the symbol of time.
+    """
+
+    species: tuple[str, ...]
+    rhs: tuple[Expr, ...]
+    x0: tuple[Expr, ...]
+    constants: dict[str, float]
+    expressions: dict[str, Expr]
+    time: sympy.Symbol
+
+    def symbol(self, name: str) -> sympy.Symbol:
+        return sympy.Symbol(name, real=True)
+
+
+_TIME = sympy.Symbol("t", real=True)
+
+
+def _unsupported(what: str, fix: str = "") -> ValueError:
+    return ValueError(
+        f"The SBML model has {what}, which sciflat's PEtab reader does not support"
+        f"{': ' + fix if fix else ''}. It reads reactions, compartments, parameters, "
+        "initial assignments and assignment rules only (a different model would be "
+        "silently wrong)."
+    )
+
+
+class _Math:
+    """libsbml's ASTNode -> SymPy, for the functions SBML's MathML subset names."""
+
+    def __init__(self, libsbml: Any, where: str):
+        self.s = libsbml
+        self.where = where
+        L = libsbml
+        self.n_ary = {
+            L.AST_PLUS: sympy.Add,
+            L.AST_TIMES: sympy.Mul,
+        }
+        self.unary = {
+            L.AST_FUNCTION_EXP: sympy.exp,
+            L.AST_FUNCTION_LN: sympy.log,
+            L.AST_FUNCTION_ABS: sympy.Abs,
+            L.AST_FUNCTION_SIN: sympy.sin,
+            L.AST_FUNCTION_COS: sympy.cos,
+            L.AST_FUNCTION_TAN: sympy.tan,
+            L.AST_FUNCTION_TANH: sympy.tanh,
+            L.AST_FUNCTION_SINH: sympy.sinh,
+            L.AST_FUNCTION_COSH: sympy.cosh,
+            L.AST_FUNCTION_FLOOR: sympy.floor,
+            L.AST_FUNCTION_CEILING: sympy.ceiling,
+        }
+
+    def __call__(self, node: Any) -> Expr:
+        L = self.s
+        if node is None:
+            raise ValueError(f"{self.where}: missing or unreadable math.")
+        kind = node.getType()
+        if kind == L.AST_FUNCTION_DELAY:
+            raise _unsupported(f"a delay in {self.where}")
+        if kind == L.AST_FUNCTION_PIECEWISE:
+            raise _unsupported(f"a piecewise function in {self.where}")
+        kids = [self(node.getChild(i)) for i in range(node.getNumChildren())]
+        if kind == L.AST_NAME:
+            return sympy.Symbol(node.getName(), real=True)
+        if kind == L.AST_NAME_TIME:
+            return _TIME
+        if kind == L.AST_INTEGER:
+            return sympy.Integer(node.getInteger())
+        if kind in (L.AST_REAL, L.AST_REAL_E):
+            return sympy.Float(node.getReal(), 17)
+        if kind == L.AST_RATIONAL:
+            return sympy.Rational(node.getNumerator(), node.getDenominator())
+        if kind == L.AST_CONSTANT_PI:
+            return sympy.pi
+        if kind == L.AST_CONSTANT_E:
+            return sympy.E
+        if kind in self.n_ary:
+            return (
+                self.n_ary[kind](*kids)
+                if kids
+                else sympy.Integer(0 if kind == L.AST_PLUS else 1)
+            )
+        if kind == L.AST_MINUS:
+            return -kids[0] if len(kids) == 1 else kids[0] - kids[1]
+        if kind == L.AST_DIVIDE:
+            return kids[0] / kids[1]
+        if kind in (L.AST_POWER, L.AST_FUNCTION_POWER):
+            return kids[0] ** kids[1]
+        if kind == L.AST_FUNCTION_ROOT:
+            degree = kids[0] if len(kids) == 2 else sympy.Integer(2)
+            return kids[-1] ** (1 / degree)
+        if kind == L.AST_FUNCTION_LOG:  # <log/> with an optional <logbase/>
+            base = kids[0] if len(kids) == 2 else sympy.Integer(10)
+            return sympy.log(kids[-1]) / sympy.log(base)
+        if kind in self.unary:
+            return self.unary[kind](kids[0])
+        name = node.getName() or L.formulaToL3String(node)
+        if kind == L.AST_FUNCTION:
+            raise _unsupported(
+                f"a call of function {name!r} in {self.where}",
+                "function definitions are expanded first; this one could not be",
+            )
+        raise _unsupported(f"the MathML element {name!r} in {self.where}")
+
+
+def read_sbml(path: str) -> SbmlOde:
+    """The symbolic ODE of the SBML file at `path` (see the module's docstring)."""
+    L = _libsbml()
+    doc = L.readSBMLFromFile(str(path))
+    if doc.getNumErrors(L.LIBSBML_SEV_ERROR) + doc.getNumErrors(L.LIBSBML_SEV_FATAL):
+        raise ValueError(
+            f"libsbml could not read {path}:\n{doc.getErrorLog().toString()}"
+        )
+    model = doc.getModel()
+    if model is None:
+        raise ValueError(f"{path} holds no SBML model.")
+    if model.getNumFunctionDefinitions():
+        props = L.ConversionProperties()
+        props.addOption("expandFunctionDefinitions")
+        if doc.convert(props) != L.LIBSBML_OPERATION_SUCCESS:
+            raise _unsupported("function definitions that libsbml cannot expand")
+        model = doc.getModel()
+    return _Reader(L, model).ode()
+
+
+class _Reader:
+    def __init__(self, libsbml: Any, model: Any):
+        self.L, self.m = libsbml, model
+
+    def math(self, node: Any, where: str) -> Expr:
+        return _Math(self.L, where)(node)
+
+    def refuse_unsupported(self) -> None:
+        m = self.m
+        if m.getNumEvents():
+            ids = [m.getEvent(i).getId() or f"#{i}" for i in range(m.getNumEvents())]
+            raise _unsupported(f"events ({', '.join(ids)})")
+        if m.getNumConstraints():
+            raise _unsupported("constraints")
+        for i in range(m.getNumRules()):
+            rule = m.getRule(i)
+            if rule.isAlgebraic():
+                raise _unsupported("an algebraic rule")
+            if rule.isRate():
+                raise _unsupported(f"a rate rule for {rule.getVariable()!r}")
+        for i in range(m.getNumCompartments()):
+            c = m.getCompartment(i)
+            if not c.getConstant():
+                raise _unsupported(f"compartment {c.getId()!r} of varying size")
+
+    def ode(self) -> SbmlOde:
+        m = self.m
+        self.refuse_unsupported()
+        sym = lambda name: sympy.Symbol(name, real=True)
+        constants: dict[str, float] = {}
+        for i in range(m.getNumCompartments()):
+            c = m.getCompartment(i)
+            size = c.getSize() if c.isSetSize() else 1.0
+            constants[c.getId()] = float(size) if not math.isnan(size) else 1.0
+        for i in range(m.getNumParameters()):
+            p = m.getParameter(i)
+            value = p.getValue() if p.isSetValue() else math.nan
+            constants[p.getId()] = float(value)
+
+        rules: dict[str, Expr] = {}
+        for i in range(m.getNumRules()):
+            rule = m.getRule(i)  # assignment rules only, by now
+            rules[rule.getVariable()] = self.math(
+                rule.getMath(), f"the assignment rule for {rule.getVariable()!r}"
+            )
+        rules = _resolve(rules, "assignment rules")
+        for name in rules:
+            constants.pop(name, None)  # not a constant: its rule says what it is
+
+        initial: dict[str, Expr] = {}
+        for i in range(m.getNumInitialAssignments()):
+            a = m.getInitialAssignment(i)
+            initial[a.getSymbol()] = self.math(
+                a.getMath(), f"the initial assignment of {a.getSymbol()!r}"
+            )
+
+        species, x0, fixed_species = [], [], {}
+        size_of: dict[str, Expr] = {}
+        amounts: set[str] = set()
+        for i in range(m.getNumSpecies()):
+            s = m.getSpecies(i)
+            sid, comp = s.getId(), s.getCompartment()
+            size_of[sid] = sym(comp)
+            if s.getHasOnlySubstanceUnits():
+                amounts.add(sid)
+            if sid in rules:
+                continue  # an assignment rule gives it at every time
+            if sid in initial:
+                value = initial[sid]
+            elif s.isSetInitialConcentration():
+                value = sympy.Float(s.getInitialConcentration(), 17)
+                if sid in amounts:
+                    value = value * sym(comp)
+            elif s.isSetInitialAmount():
+                value = sympy.Float(s.getInitialAmount(), 17)
+                if sid not in amounts:
+                    value = value / sym(comp)
+            else:
+                raise ValueError(
+                    f"Species {sid!r} has no initial amount, concentration or "
+                    "assignment."
+                )
+            if s.getConstant() or s.getBoundaryCondition():
+                fixed_species[sid] = value  # no reaction changes it
+            else:
+                species.append(sid)
+                x0.append(value)
+
+        # Constant parameters given by an initial assignment: their expression.
+        derived = {k: v for k, v in initial.items() if k in constants}
+        for k in derived:
+            constants.pop(k)
+
+        rates: list[Expr] = [sympy.Integer(0)] * len(species)
+        index = {sid: i for i, sid in enumerate(species)}
+        for r in range(m.getNumReactions()):
+            reaction = m.getReaction(r)
+            rid = reaction.getId()
+            law = reaction.getKineticLaw()
+            if law is None or not law.isSetMath():
+                raise ValueError(f"Reaction {rid!r} has no kinetic law.")
+            rate = self.math(law.getMath(), f"the kinetic law of reaction {rid!r}")
+            local = {}
+            for j in range(law.getNumParameters()):
+                q = law.getParameter(j)
+                local[sym(q.getId())] = sympy.Float(q.getValue(), 17)
+            for j in range(law.getNumLocalParameters()):
+                q = law.getLocalParameter(j)
+                local[sym(q.getId())] = sympy.Float(q.getValue(), 17)
+            rate = rate.xreplace(local)
+            for sign, n, get in (
+                (-1, reaction.getNumReactants(), reaction.getReactant),
+                (1, reaction.getNumProducts(), reaction.getProduct),
+            ):
+                for j in range(n):
+                    ref = get(j)
+                    sid = ref.getSpecies()
+                    if ref.isSetStoichiometryMath() or (
+                        ref.isSetId() and ref.getId() in rules
+                    ):
+                        raise _unsupported(
+                            f"a variable stoichiometry of {sid!r} in reaction {rid!r}"
+                        )
+                    if ref.isSetId() and ref.getId() in initial:
+                        raise _unsupported(
+                            f"an initial assignment to the stoichiometry of {sid!r} "
+                            f"in reaction {rid!r}"
+                        )
+                    stoich = ref.getStoichiometry() if ref.isSetStoichiometry() else 1.0
+                    if math.isnan(stoich):
+                        stoich = 1.0
+                    if sid not in index:
+                        continue  # boundary or constant species, or a rule's target
+                    change = sign * _number(stoich) * rate
+                    if sid not in amounts:
+                        change = change / size_of[sid]
+                    rates[index[sid]] = rates[index[sid]] + change
+
+        # Everything but the state, time and the constants, substituted away.
+        given = {**fixed_species, **derived, **rules}
+        known = _resolve(given, "initial assignments and rules")
+        subs = {sym(k): v for k, v in known.items()}
+        rhs = tuple(sympy.sympify(e).xreplace(subs) for e in rates)
+        # Initial values may name other species (their initial values) and rules.
+        init_subs = dict(subs)
+        init_subs.update({sym(s): v for s, v in zip(species, x0, strict=True)})
+        init = tuple(
+            _fixpoint(v, init_subs, f"the initial value of {s!r}")
+            for s, v in zip(species, x0, strict=True)
+        )
+        init = tuple(v.xreplace({_TIME: sympy.Integer(0)}) for v in init)
+        allowed = {sym(k) for k in constants} | {sym(s) for s in species} | {_TIME}
+        for sid, e in zip(species, rhs, strict=True):
+            _check_names(e, allowed, f"dx/dt of {sid!r}")
+        for sid, e in zip(species, init, strict=True):
+            _check_names(e, allowed - {_TIME}, f"the initial value of {sid!r}")
+        for k, v in constants.items():
+            if math.isnan(v):
+                raise ValueError(f"Parameter {k!r} has no value in the SBML model.")
+        return SbmlOde(
+            species=tuple(species),
+            rhs=rhs,
+            x0=init,
+            constants=constants,
+            expressions={k: sympy.sympify(v) for k, v in known.items()},
+            time=_TIME,
+        )
+
+
+def _number(x: float) -> Expr:
+    return sympy.Integer(int(x)) if float(x).is_integer() else sympy.Float(x, 17)
+
+
+def _fixpoint(expr: Expr, subs: dict, where: str) -> Expr:
+    expr = sympy.sympify(expr)
+    for _ in range(len(subs) + 1):
+        new = expr.xreplace(subs)
+        if new == expr:
+            return expr
+        expr = new
+    raise ValueError(f"{where} refers to itself (a cycle of assignments).")
+
+
+def _resolve(defs: dict[str, Expr], what: str) -> dict[str, Expr]:
+    """Each definition with the others substituted into it (they may chain)."""
+    subs = {sympy.Symbol(k, real=True): sympy.sympify(v) for k, v in defs.items()}
+    return {k: _fixpoint(v, subs, f"the {what} of {k!r}") for k, v in defs.items()}
+
+
+def _check_names(expr: Expr, allowed: set, where: str) -> None:
+    unknown = sorted(str(s) for s in expr.free_symbols - allowed)
+    if unknown:
+        raise ValueError(
+            f"{where} names {unknown}, which the SBML model does not define as a "
+            "species, parameter or compartment."
+        )

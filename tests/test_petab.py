@@ -1,0 +1,472 @@
+"""`sciflat.petab_problem`: the PEtab reader, each piece against a hand-derived ODE or a
+closed form, and the Boehm et al. 2014 benchmark against AMICI's log-likelihood."""
+
+import math
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sciflat
+
+
+libsbml = pytest.importorskip("libsbml")  # the `petab` extra (in `test`): always there
+
+BOEHM = (
+    pathlib.Path(__file__).parent
+    / "data"
+    / "petab"
+    / "Boehm_JProteomeRes2014"
+    / "Boehm_JProteomeRes2014.yaml"
+)
+# AMICI with SUNDIALS (AMICI's tests/benchmark_models/benchmark_models.yaml).
+BOEHM_LLH = -138.22199693517703
+
+
+#
+# Writing small problems by hand: SBML through libsbml, the tables as TSV.
+#
+
+
+def write_sbml(
+    path,
+    *,
+    compartments=(("c1", 1.0),),
+    species=(),
+    parameters=(),
+    reactions=(),
+    rules=(),
+    initial=(),
+    rate_rules=(),
+    events=False,
+):
+    """species: (id, compartment, initial concentration or None, hasOnlySubstanceUnits,
+    initial amount or None); parameters: (id, value, constant); reactions: (id,
+    reactants {id: stoich}, products, law); rules: (variable, formula)."""
+    doc = libsbml.SBMLDocument(3, 2)
+    m = doc.createModel()
+    m.setId("hand_written")
+    for cid, size in compartments:
+        c = m.createCompartment()
+        c.setId(cid), c.setSize(size), c.setConstant(True), c.setSpatialDimensions(3)
+    for sid, comp, conc, only_amounts, amount in species:
+        s = m.createSpecies()
+        s.setId(sid), s.setCompartment(comp), s.setConstant(False)
+        s.setBoundaryCondition(False), s.setHasOnlySubstanceUnits(only_amounts)
+        if conc is not None:
+            s.setInitialConcentration(conc)
+        if amount is not None:
+            s.setInitialAmount(amount)
+    for pid, value, constant in parameters:
+        p = m.createParameter()
+        p.setId(pid), p.setValue(value), p.setConstant(constant)
+    for variable, formula in rules:
+        r = m.createAssignmentRule()
+        r.setVariable(variable), r.setMath(libsbml.parseL3Formula(formula))
+    for variable, formula in rate_rules:
+        r = m.createRateRule()
+        r.setVariable(variable), r.setMath(libsbml.parseL3Formula(formula))
+    for symbol, formula in initial:
+        a = m.createInitialAssignment()
+        a.setSymbol(symbol), a.setMath(libsbml.parseL3Formula(formula))
+    for rid, reactants, products, law in reactions:
+        r = m.createReaction()
+        r.setId(rid), r.setReversible(False)
+        for sid, n in reactants.items():
+            ref = r.createReactant()
+            ref.setSpecies(sid), ref.setStoichiometry(n), ref.setConstant(True)
+        for sid, n in products.items():
+            ref = r.createProduct()
+            ref.setSpecies(sid), ref.setStoichiometry(n), ref.setConstant(True)
+        r.createKineticLaw().setMath(libsbml.parseL3Formula(law))
+    if events:
+        e = m.createEvent()
+        e.setId("dose"), e.setUseValuesFromTriggerTime(True)
+        trigger = e.createTrigger()
+        trigger.setMath(libsbml.parseL3Formula("time > 1"))
+        trigger.setInitialValue(False), trigger.setPersistent(True)
+        a = e.createEventAssignment()
+        a.setVariable(species[0][0]), a.setMath(libsbml.parseL3Formula("1"))
+    assert libsbml.writeSBMLToFile(doc, str(path))
+
+
+def write_tsv(path, header, rows):
+    lines = ["\t".join(header)] + ["\t".join(map(str, r)) for r in rows]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def write_problem(folder, *, table, conditions, observables, measurements, **sbml):
+    folder.mkdir(parents=True, exist_ok=True)
+    write_sbml(folder / "model.xml", **sbml)
+    write_tsv(
+        folder / "parameters.tsv",
+        [
+            "parameterId",
+            "parameterScale",
+            "lowerBound",
+            "upperBound",
+            "nominalValue",
+            "estimate",
+        ],
+        table,
+    )
+    cond_header = ["conditionId", *sorted({k for c in conditions.values() for k in c})]
+    write_tsv(
+        folder / "conditions.tsv",
+        cond_header,
+        [
+            [cid, *(c.get(k, "") for k in cond_header[1:])]
+            for cid, c in conditions.items()
+        ],
+    )
+    write_tsv(
+        folder / "observables.tsv",
+        [
+            "observableId",
+            "observableFormula",
+            "noiseFormula",
+            "observableTransformation",
+            "noiseDistribution",
+        ],
+        observables,
+    )
+    write_tsv(
+        folder / "measurements.tsv",
+        [
+            "observableId",
+            "preequilibrationConditionId",
+            "simulationConditionId",
+            "measurement",
+            "time",
+            "observableParameters",
+            "noiseParameters",
+        ],
+        measurements,
+    )
+    (folder / "problem.yaml").write_text(
+        "format_version: 1\nparameter_file: parameters.tsv\nproblems:\n"
+        "- condition_files: [conditions.tsv]\n  measurement_files: [measurements.tsv]\n"
+        "  observable_files: [observables.tsv]\n  sbml_files: [model.xml]\n"
+    )
+    return folder / "problem.yaml"
+
+
+#
+# One small problem with every supported piece, compiled once for the module.
+#
+# A -> B with mass action k A (an amount per time) in compartment c1 of size 2, A and B
+# in concentrations: dA/dt = -k A / 2, so A = A0 exp(-k t / 2), B = A0 - A. A0 = 3 a0
+# (an initial assignment), a0 set per condition (1 and 2). C, in amounts, decays with
+# kk C where kk = 2 k (an assignment rule): C = 5 exp(-2 k t). k is estimated on the
+# log10 scale, `scale` (the observable parameter of obsA) linearly, `sd` (obsA's noise
+# parameter) on the natural-log scale.
+
+K, SCALE, SD, SD_B = 0.3, 1.7, 0.2, 0.15
+SMALL_MEASUREMENTS = [
+    # observable, condition, measurement, time, observableParameters, noiseParameters
+    ("obsA", "low", 5.3, 0.0, "scale", "sd"),
+    ("obsA", "low", 4.1, 1.0, "scale", "sd"),
+    ("obsA", "low", 3.3, 2.5, "scale", "sd"),
+    ("obsA", "high", 9.0, 0.5, "scale", "sd"),
+    ("obsA", "high", 4.4, 4.0, "scale", "sd"),
+    ("obsC", "low", 2.9, 1.0, "", ""),
+    ("obsC", "low", 1.6, 2.0, "", ""),
+    ("obsB", "high", 0.9, 1.0, "", ""),
+    ("obsB", "high", 3.2, 4.0, "", ""),
+]
+
+
+def small_problem(folder, measurements=SMALL_MEASUREMENTS, **changes):
+    spec = dict(
+        compartments=(("c1", 2.0),),
+        species=(
+            ("A", "c1", None, False, None),
+            ("B", "c1", 0.0, False, None),
+            ("C", "c1", None, True, 5.0),
+        ),
+        parameters=(("k", 1.0, True), ("a0", 1.0, True), ("kk", 0.0, False)),
+        rules=(("kk", "2 * k"),),
+        initial=(("A", "3 * a0"),),
+        reactions=(
+            ("R1", {"A": 1}, {"B": 1}, "k * A"),
+            ("R2", {"C": 1}, {}, "kk * C"),
+        ),
+        parameters_table=[
+            ("k", "log10", 1e-3, 1e3, K, 1),
+            ("scale", "lin", 0.1, 10, SCALE, 1),
+            ("sd", "log", 1e-3, 10, SD, 1),
+            ("sdB", "lin", 0, 1, SD_B, 0),
+        ],
+        conditions={"low": {"a0": 1.0}, "high": {"a0": 2.0}},
+        observables=[
+            (
+                "obsA",
+                "observableParameter1_obsA * A",
+                "noiseParameter1_obsA",
+                "lin",
+                "normal",
+            ),
+            ("obsC", "C", "0.1", "lin", "laplace"),
+            ("obsB", "B", "sdB", "log10", "normal"),
+        ],
+    )
+    spec.update(changes)
+    rows = [(o, "", c, y, t, op, npar) for o, c, y, t, op, npar in measurements]
+    return write_problem(
+        folder,
+        table=spec.pop("parameters_table"),
+        conditions=spec.pop("conditions"),
+        observables=spec.pop("observables"),
+        measurements=rows,
+        **spec,
+    )
+
+
+def closed_form(k, a0, t):
+    a = 3 * a0 * np.exp(-k * t / 2)
+    return {"A": a, "B": 3 * a0 - a, "C": 5 * np.exp(-2 * k * t)}
+
+
+def small_nll(k=K, scale=SCALE, sd=SD):
+    """The PEtab negative log-likelihood of the small problem, by hand."""
+    total = 0.0
+    for obs, cond, y, t, _, _ in SMALL_MEASUREMENTS:
+        x = closed_form(k, {"low": 1.0, "high": 2.0}[cond], t)
+        if obs == "obsA":  # normal, linear
+            h = scale * x["A"]
+            total += 0.5 * math.log(2 * math.pi * sd**2) + 0.5 * ((y - h) / sd) ** 2
+        elif obs == "obsC":  # Laplace, linear, sigma 0.1
+            total += math.log(2 * 0.1) + abs(y - x["C"]) / 0.1
+        else:  # normal on the log10 scale
+            r = (math.log10(y) - math.log10(x["B"])) / SD_B
+            total += 0.5 * math.log(2 * math.pi * SD_B**2 * (y * math.log(10)) ** 2)
+            total += 0.5 * r**2
+    return total
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    path = small_problem(tmp_path_factory.mktemp("petab") / "small")
+    return sciflat.petab_problem(path, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.slow  # reads SBML with SymPy and compiles Diffrax solves: seconds
+def test_small_reads_the_scales_bounds_and_nominal_values(small):
+    assert small.parameter_ids == ("k", "scale", "sd")
+    assert small.scales == {"k": "log10", "scale": "lin", "sd": "log"}
+    np.testing.assert_allclose(float(small.nominal["k"]), math.log10(K))
+    np.testing.assert_allclose(float(small.nominal["sd"]), math.log(SD))
+    lower, upper = small.bounds
+    np.testing.assert_allclose([lower["k"], upper["k"]], [-3.0, 3.0])
+    np.testing.assert_allclose([lower["sd"], upper["sd"]], np.log([1e-3, 10.0]))
+    assert (lower["scale"], upper["scale"]) == (0.1, 10.0)
+    linear = small.unscale(small.nominal)
+    np.testing.assert_allclose(
+        [float(linear[k]) for k in "k scale sd".split()], [K, SCALE, SD]
+    )
+
+
+@pytest.mark.slow  # reads SBML with SymPy and compiles Diffrax solves: seconds
+def test_small_ode_divides_by_the_compartment_size_of_concentrations(small):
+    # The symbolic right-hand side, as derived by hand (no solve).
+    import sympy
+
+    A, C, k, c1 = sympy.symbols("A C k c1", real=True)
+    assert small.species == ("A", "B", "C")
+    rhs = small.ode.rhs
+    assert sympy.simplify(rhs[0] - (-k * A / c1)) == 0  # concentration: / size
+    assert sympy.simplify(rhs[1] - k * A / c1) == 0
+    assert sympy.simplify(rhs[2] - (-2 * k * C)) == 0  # amount, rule kk = 2 k
+    a0 = sympy.Symbol("a0", real=True)
+    assert sympy.simplify(small.ode.x0[0] - 3 * a0) == 0  # initial assignment
+
+
+@pytest.mark.slow  # reads SBML with SymPy and compiles Diffrax solves: seconds
+@pytest.mark.parametrize(("condition", "a0"), [("low", 1.0), ("high", 2.0)])
+def test_small_simulates_the_closed_form_in_each_condition(small, condition, a0):
+    times = np.linspace(0.0, 4.0, 9)
+    out = small.simulate(small.nominal, times, condition)
+    want = closed_form(K, a0, times)
+    state = np.asarray(out["state"])
+    for i, s in enumerate(small.species):
+        np.testing.assert_allclose(state[:, i], want[s], rtol=1e-8, atol=1e-10)
+    np.testing.assert_allclose(out["obsA"], SCALE * want["A"], rtol=1e-8)
+
+
+@pytest.mark.slow  # reads SBML with SymPy and compiles Diffrax solves: seconds
+def test_small_nll_is_the_petab_formula(small):
+    # normal with placeholders, Laplace, normal on a log10 scale; three scales.
+    np.testing.assert_allclose(float(small.nll(small.nominal)), small_nll(), rtol=1e-9)
+    other = {"k": jnp.asarray(-0.2), "scale": jnp.asarray(2.1), "sd": jnp.asarray(-1.0)}
+    want = small_nll(k=10**-0.2, scale=2.1, sd=math.exp(-1.0))
+    np.testing.assert_allclose(float(small.nll(other)), want, rtol=1e-9)
+    np.testing.assert_allclose(float(small.llh(other)), -want, rtol=1e-9)
+
+
+@pytest.mark.slow  # reads SBML with SymPy and compiles Diffrax solves: seconds
+def test_small_residuals_refuse_laplace_noise(small):
+    with pytest.raises(ValueError, match=r"normal noise only.*minimize"):
+        small.residuals(small.nominal)
+
+
+@pytest.mark.slow  # reads SBML with SymPy and compiles Diffrax solves: seconds
+def test_small_nll_and_its_forward_derivative_are_float64_throughout(small):
+    # The solves' derivatives are forward-mode (diffrax.ForwardMode): audited as such.
+    for fn in (small.nll, jax.jacfwd(small.nll)):
+        report = sciflat.audit_dtypes(fn, small.nominal, grad=False)
+        assert not report.findings, str(report)
+
+
+@pytest.mark.slow  # compiles the forward-mode gradient through the solves: seconds
+def test_small_gradient_matches_finite_differences(small):
+    p, re = sciflat.destructure(small.nominal, dtype=jnp.float64)
+    f = lambda x: small.nll(re(x))
+    grad = jax.jacfwd(f)(p)
+    h = 1e-6
+    fd = [(f(p.at[i].add(h)) - f(p.at[i].add(-h))) / (2 * h) for i in range(len(p))]
+    np.testing.assert_allclose(grad, fd, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow  # reads SBML with SymPy and compiles Diffrax solves: seconds
+def test_normal_residuals_square_to_the_nll(tmp_path):
+    # Without the Laplace observable: nll == 0.5 * sum(r**2) + residual_offset.
+    rows = [m for m in SMALL_MEASUREMENTS if m[0] != "obsC"]
+    problem = sciflat.petab_problem(
+        small_problem(tmp_path, rows), rtol=1e-10, atol=1e-12
+    )
+    other = {"k": jnp.asarray(-0.7), "scale": jnp.asarray(1.2), "sd": jnp.asarray(0.3)}
+    for model in (problem.nominal, other):
+        r = problem.residuals(model)
+        assert r.shape == (2 * len(rows),)
+        np.testing.assert_allclose(
+            0.5 * float(jnp.sum(r**2)) + problem.residual_offset,
+            float(problem.nll(model)),
+            rtol=1e-12,
+        )
+
+
+@pytest.mark.slow  # reads SBML with SymPy and compiles Diffrax solves: seconds
+def test_starts_are_latin_hypercube_within_the_bounds(small):
+    starts = small.sample_starts(10, seed=3)
+    x = np.array([[float(s[k]) for k in small.parameter_ids] for s in starts])
+    lower, upper = (np.array([b[k] for k in small.parameter_ids]) for b in small.bounds)
+    assert ((x >= lower) & (x <= upper)).all()
+    # One start in each of the 10 strata of every parameter.
+    strata = np.floor((x - lower) / (upper - lower) * 10).astype(int)
+    assert all(sorted(col) == list(range(10)) for col in strata.T)
+    uniform = small.sample_starts(10, seed=3, method="uniform")
+    assert not np.allclose(float(uniform[0]["k"]), x[0, 0])
+
+
+#
+# What the reader refuses, each with a message naming the element.
+#
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        (dict(events=True), r"events \(dose\)"),
+        (
+            dict(
+                rate_rules=(("a0", "1"),),
+                parameters=(("k", 1.0, True), ("a0", 1.0, False), ("kk", 0.0, False)),
+            ),
+            "rate rule for 'a0'",
+        ),
+        (
+            dict(reactions=(("R1", {"A": 1}, {"B": 1}, "piecewise(k, A > 1, 0) * A"),)),
+            "piecewise function in the kinetic law of reaction 'R1'",
+        ),
+        (
+            dict(reactions=(("R1", {"A": 1}, {"B": 1}, "delay(A, 1) * k"),)),
+            "delay in the kinetic law of reaction 'R1'",
+        ),
+        (
+            dict(conditions={"low": {"kk": 1.0}, "high": {}}),
+            "condition table sets 'kk'.*given by a rule",
+        ),
+    ],
+)
+def test_unsupported_sbml_is_a_clear_error(tmp_path, changes, match):
+    with pytest.raises(ValueError, match=match):
+        sciflat.petab_problem(small_problem(tmp_path, **changes))
+
+
+def test_preequilibration_is_a_clear_error(tmp_path):
+    path = small_problem(tmp_path)
+    table = path.parent / "measurements.tsv"
+    lines = table.read_text().splitlines()
+    lines[1] = lines[1].replace("obsA\t\tlow", "obsA\thigh\tlow")
+    table.write_text("\n".join(lines) + "\n")
+    with pytest.raises(
+        ValueError, match="Measurement 0 has preequilibrationConditionId 'high'"
+    ):
+        sciflat.petab_problem(path)
+
+
+def test_wrong_placeholders_are_a_clear_error(tmp_path):
+    rows = [("obsA", "low", 5.3, 0.0, "scale;scale", "sd")]
+    with pytest.raises(
+        ValueError, match=r"Measurement 0 \('obsA'\) gives 2 observableParameters"
+    ):
+        sciflat.petab_problem(small_problem(tmp_path, rows))
+
+
+@pytest.mark.slow  # reads SBML with SymPy and compiles Diffrax solves: seconds
+def test_a_wrong_model_is_a_clear_error(small):
+    with pytest.raises(
+        ValueError, match=r"dict of its estimated parameters \['k', 'scale', 'sd'\]"
+    ):
+        small.nll({"k": 1.0})
+
+
+#
+# The benchmark problem: Boehm et al. 2014, against AMICI.
+#
+
+
+@pytest.fixture(scope="module")
+def boehm():
+    return sciflat.petab_problem(BOEHM)
+
+
+@pytest.mark.slow  # reads SBML with SymPy and compiles Diffrax solves: seconds
+def test_boehm_reads_nine_log10_parameters(boehm):
+    assert len(boehm.parameter_ids) == 9
+    assert set(boehm.scales.values()) == {"log10"}
+    assert boehm.n_data == 48
+    assert boehm.species == (
+        "STAT5A",
+        "STAT5B",
+        "pApB",
+        "pApA",
+        "pBpB",
+        "nucpApA",
+        "nucpApB",
+        "nucpBpB",
+    )
+
+
+@pytest.mark.slow  # reads SBML with SymPy and compiles Diffrax solves: seconds
+def test_boehm_log_likelihood_at_the_published_fit_is_amicis(boehm):
+    llh = float(boehm.llh(boehm.nominal))
+    np.testing.assert_allclose(llh, BOEHM_LLH, rtol=1e-6)
+    r = boehm.residuals(boehm.nominal)
+    np.testing.assert_allclose(
+        0.5 * float(jnp.sum(r**2)) + boehm.residual_offset, -llh, rtol=1e-12
+    )
+
+
+def test_public_names_are_lazy_and_a_missing_extra_names_it(tmp_path, monkeypatch):
+    from sciflat import _petab_problem, _petab_sbml
+
+    assert sciflat.petab_problem is _petab_problem.petab_problem
+    assert sciflat.PetabProblem is _petab_problem.PetabProblem
+    assert {"petab_problem", "PetabProblem", "ReactionODE"} <= set(dir(sciflat))
+    path = small_problem(tmp_path)
+    monkeypatch.setitem(__import__("sys").modules, "libsbml", None)
+    with pytest.raises(ImportError, match=r'pip install "sciflat\[petab\]"'):
+        _petab_sbml.read_sbml(str(path.parent / "model.xml"))
