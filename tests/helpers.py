@@ -1,11 +1,13 @@
 """Shared test utilities: reference comparisons, the edge-case models, the jaxpr scanner."""
 
+import contextlib
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import scipy.optimize
 from hypothesis import strategies as st
 
 
@@ -213,3 +215,89 @@ def run_on_host_devices(code: str, n_devices: int = 2) -> None:
         timeout=120,
     )
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
+
+
+#
+# Small problems of the SciPy fits (tests/test_scipy*.py)
+#
+
+
+class Quad(eqx.Module):
+    a: jax.Array
+    b: jax.Array
+
+
+C = jnp.asarray([0.5, -1.0, 2.0])
+
+
+def quad_loss(m, c):
+    # Minimum of the separable, strictly convex pieces: a* solves 2(a - c) + 0.4 a^3 = 0.
+    return jnp.sum((m.a - c) ** 2) + (m.b - 2.0) ** 2 + 0.1 * jnp.sum(m.a**4)
+
+
+def quad_model(dtype=jnp.float32):
+    return Quad(jnp.ones(3, dtype), jnp.asarray(0.0, dtype))
+
+
+def quad_minimum():
+    a = np.asarray(
+        [
+            scipy.optimize.brentq(lambda a, c=c: 2 * (a - c) + 0.4 * a**3, -5, 5)
+            for c in C
+        ]
+    )
+    return a, 2.0
+
+
+def _spy(monkeypatch, name):
+    seen = {}
+    real = getattr(scipy.optimize, name)
+
+    def spy(fun, x0, **kwargs):
+        seen.update(fun=fun, x0=np.copy(x0), **kwargs)
+        return real(fun, x0, **kwargs)
+
+    monkeypatch.setattr(scipy.optimize, name, spy)
+    return seen
+
+
+class TiedNet(eqx.Module):
+    """Ties and a float32 initialisation: the gradient of the tied weight is summed."""
+
+    tied: Tied
+    scale: jax.Array
+
+    def __call__(self, x):
+        return self.scale * jnp.tanh(self.tied(x))
+
+
+def tied_loss(m, x, y):
+    return jnp.mean((jax.vmap(m)(x) - y) ** 2)
+
+
+def exp_model():
+    return {"amp": jnp.asarray(1.0), "rate": jnp.asarray(0.5)}
+
+
+T = jnp.linspace(0.0, 2.0, 20)
+Y = 3.0 * jnp.exp(-1.3 * T)
+
+
+def exp_residuals(m, t, y):
+    return m["amp"] * jnp.exp(-m["rate"] * t) - y
+
+
+# Every trace JAX makes, from its monitoring events: counts what sciflat traces
+# without putting a counter into the loss (whose closure is part of the cache key).
+_EVENTS: list[str] = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda name, _, **kw: _EVENTS.append(name)
+)
+
+
+@contextlib.contextmanager
+def count_traces():
+    start, seen = len(_EVENTS), []
+    yield seen
+    trace = "/jax/core/compile/jaxpr_trace_duration"
+    seen.extend(e for e in _EVENTS[start:] if e == trace)

@@ -5,8 +5,6 @@ small problems below compile a handful of times; the Lotka–Volterra fits share
 forward-mode solve.
 """
 
-import collections
-import contextlib
 import time
 
 import diffrax
@@ -18,36 +16,24 @@ import pytest
 import scipy.optimize
 
 import sciflat
-from helpers import Tied, float_dtypes_in_jaxpr
-from sciflat import _problem, _scipy_minimize, _scipy_programs, _scipy_start
-from sciflat._scipy_fn_key import identity_key
-
-
-class Quad(eqx.Module):
-    a: jax.Array
-    b: jax.Array
-
-
-C = jnp.asarray([0.5, -1.0, 2.0])
-
-
-def quad_loss(m, c):
-    # Minimum of the separable, strictly convex pieces: a* solves 2(a - c) + 0.4 a^3 = 0.
-    return jnp.sum((m.a - c) ** 2) + (m.b - 2.0) ** 2 + 0.1 * jnp.sum(m.a**4)
-
-
-def quad_model(dtype=jnp.float32):
-    return Quad(jnp.ones(3, dtype), jnp.asarray(0.0, dtype))
-
-
-def quad_minimum():
-    a = np.asarray(
-        [
-            scipy.optimize.brentq(lambda a, c=c: 2 * (a - c) + 0.4 * a**3, -5, 5)
-            for c in C
-        ]
-    )
-    return a, 2.0
+from helpers import (
+    C,
+    Quad,
+    T,
+    Tied,
+    TiedNet,
+    Y,
+    _spy,
+    count_traces,
+    exp_model,
+    exp_residuals,
+    float_dtypes_in_jaxpr,
+    quad_loss,
+    quad_minimum,
+    quad_model,
+    tied_loss,
+)
+from sciflat import _problem, _scipy_minimize, _scipy_start
 
 
 METHODS = [
@@ -93,32 +79,6 @@ def test_every_method_finds_the_minimum(method):
 #
 # What SciPy receives: float64 NumPy values, gradients equal to finite differences.
 #
-
-
-def _spy(monkeypatch, name):
-    seen = {}
-    real = getattr(scipy.optimize, name)
-
-    def spy(fun, x0, **kwargs):
-        seen.update(fun=fun, x0=np.copy(x0), **kwargs)
-        return real(fun, x0, **kwargs)
-
-    monkeypatch.setattr(scipy.optimize, name, spy)
-    return seen
-
-
-class TiedNet(eqx.Module):
-    """Ties and a float32 initialisation: the gradient of the tied weight is summed."""
-
-    tied: Tied
-    scale: jax.Array
-
-    def __call__(self, x):
-        return self.scale * jnp.tanh(self.tied(x))
-
-
-def tied_loss(m, x, y):
-    return jnp.mean((jax.vmap(m)(x) - y) ** 2)
 
 
 @pytest.mark.parametrize("mode", ["forward", "reverse"])
@@ -171,261 +131,6 @@ def test_gradient_jaxpr_is_float64_only():
     for mode in ("forward", "reverse"):
         fn = _scipy_minimize._build("value_and_grad", tied_loss, re, rebuild, mode)
         assert float_dtypes_in_jaxpr(jax.make_jaxpr(fn)(x0, data)) == {"float64"}
-
-
-def test_compiled_once_and_reused_for_new_data():
-    traces = []
-
-    def loss(m, c):
-        traces.append(1)
-        return quad_loss(m, c)
-
-    r1 = sciflat.minimize(loss, quad_model(), args=(C,), mode="reverse", progress=False)
-    r2 = sciflat.minimize(
-        loss, quad_model(), args=(C + 1.0,), mode="reverse", progress=False
-    )
-    assert r1.raw.nfev > 3 and r2.raw.nfev > 3
-    assert len(traces) == 1
-    assert not np.allclose(r1.p, r2.p)
-
-
-# Every trace JAX makes, from its monitoring events: counts what sciflat traces
-# without putting a counter into the loss (whose closure is part of the cache key).
-_EVENTS: list[str] = []
-jax.monitoring.register_event_duration_secs_listener(
-    lambda name, _, **kw: _EVENTS.append(name)
-)
-
-
-@contextlib.contextmanager
-def count_traces():
-    start, seen = len(_EVENTS), []
-    yield seen
-    trace = "/jax/core/compile/jaxpr_trace_duration"
-    seen.extend(e for e in _EVENTS[start:] if e == trace)
-
-
-def _sum_of_squares(m, t, y):
-    return jnp.sum(exp_residuals(m, t, y) ** 2)
-
-
-def test_second_fit_traces_nothing_for_either_fit():
-    fits = [
-        lambda y: sciflat.least_squares(
-            exp_residuals, exp_model(), args=(T, y), progress=False
-        ),
-        lambda y: sciflat.minimize(
-            _sum_of_squares,
-            exp_model(),
-            args=(T, y),
-            progress=False,
-        ),
-    ]
-    y2 = Y * 2.0
-    for fit in fits:
-        first = fit(Y)
-        # New data of the same shape, a new model object, the same loss: no trace.
-        with count_traces() as traces:
-            second = fit(y2)
-        assert traces == []
-        assert first.status == second.status == "converged"
-        np.testing.assert_allclose(second.model["amp"], 6.0, rtol=1e-6)
-        np.testing.assert_allclose(first.model["amp"], 3.0, rtol=1e-6)
-        np.testing.assert_allclose(second.model["rate"], 1.3, rtol=1e-6)
-    # Data of another shape is another compilation.
-    t, y = T[:10], Y[:10]
-    with count_traces() as traces:
-        sciflat.least_squares(exp_residuals, exp_model(), args=(t, y), progress=False)
-    assert traces
-
-
-def test_a_compilation_is_reused_for_the_same_loss_only():
-    """As under `jax.jit`: the same function object reuses its compilation, a new
-    `lambda` (whatever its code and closure) compiles again."""
-    loss = lambda m: jnp.sum((m.a - 2.0) ** 2) + m.b**2
-    sciflat.minimize(loss, quad_model(), progress=False)
-    with count_traces() as traces:
-        res = sciflat.minimize(loss, quad_model(), progress=False)
-    assert traces == []
-    np.testing.assert_allclose(res.model.a, 2.0, atol=1e-6)
-    target = np.asarray([1.0, 2.0, 3.0])
-    fit = lambda: sciflat.minimize(
-        lambda m: jnp.sum((m.a - target) ** 2) + m.b**2, quad_model(), progress=False
-    )
-    fit()
-    target[0] = -5.0  # mutated in place: a new lambda sees it, as under `jax.jit`
-    with count_traces() as traces:
-        res = fit()
-    assert traces
-    np.testing.assert_allclose(res.model.a, [-5.0, 2.0, 3.0], atol=1e-6)
-
-
-def _fit_a(loss):
-    return sciflat.minimize(loss, {"a": 0.0}, progress=False).model["a"]
-
-
-def test_a_changed_class_attribute_is_seen_by_a_new_lambda():
-    # Issue 22: keyed by value, the class was keyed by identity and its attribute
-    # never read, so the second fit silently returned the first compilation's answer.
-    class Config:
-        target = 1.0
-
-    run = lambda: _fit_a(lambda m: jnp.sum((m["a"] - Config.target) ** 2))
-    np.testing.assert_allclose(run(), 1.0, atol=1e-6)
-    Config.target = 5.0
-    np.testing.assert_allclose(run(), 5.0, atol=1e-6)
-    assert jax.jit(lambda: Config.target * 1.0)() == 5.0  # the reference
-
-
-def test_a_changed_closed_over_container_is_seen_by_a_new_lambda():
-    # Issue 22: a set and a deque were keyed by identity (as library objects), so a
-    # new lambda over the same, changed, container reused the first compilation.
-    targets, queue = {1.0}, collections.deque([1.0])
-    for target in ({1.0}, {1.0, 4.0}):
-        targets.clear(), targets.update(target)
-        queue.append(max(target))
-        a = _fit_a(lambda m: jnp.sum((m["a"] - max(targets)) ** 2))
-        np.testing.assert_allclose(a, max(target), atol=1e-6)
-        a = _fit_a(lambda m: jnp.sum((m["a"] - queue[-1]) ** 2))
-        np.testing.assert_allclose(a, max(target), atol=1e-6)
-
-
-def test_a_closed_over_generator_draws_anew_for_a_new_lambda():
-    rng, reference = np.random.default_rng(0), np.random.default_rng(0)
-    for _ in range(2):  # each trace draws the next number, as under `jax.jit`
-        a = _fit_a(lambda m: jnp.sum((m["a"] - rng.normal()) ** 2))
-        np.testing.assert_allclose(a, reference.normal(), atol=1e-6)
-
-
-def test_a_callback_writes_into_its_own_fits_list():
-    def run():
-        seen = []
-        loss = lambda m: (
-            jax.debug.callback(lambda a: seen.append(float(a)), m["a"])
-            or jnp.sum((m["a"] - 1.0) ** 2)
-        )
-        _fit_a(loss)
-        return seen
-
-    first = run()
-    second = run()
-    assert first and second  # each fit's evaluations in its own list
-
-
-def test_clear_caches_forgets_compilations():
-    loss = lambda m: jnp.sum((m["a"] - 3.0) ** 2)
-    _fit_a(loss)
-    with count_traces() as traces:
-        _fit_a(loss)
-    assert traces == []
-    sciflat.clear_caches()
-    with count_traces() as traces:
-        np.testing.assert_allclose(_fit_a(loss), 3.0, atol=1e-6)
-    assert traces
-
-
-def test_a_changed_global_is_seen_by_a_new_lambda():
-    global _SCALE
-    fit = lambda: sciflat.minimize(
-        lambda m: jnp.sum((m.a - _SCALE) ** 2) + m.b**2, quad_model(), progress=False
-    )
-    _SCALE = 1.0
-    np.testing.assert_allclose(fit().model.a, 1.0, atol=1e-6)
-    _SCALE = 2.0
-    np.testing.assert_allclose(fit().model.a, 2.0, atol=1e-6)
-
-
-_SCALE = 1.0
-
-
-def test_matmul_precision_is_part_of_the_key():
-    fit = lambda: sciflat.minimize(quad_loss, quad_model(), args=(C,), progress=False)
-    fit()
-    with count_traces() as traces, jax.default_matmul_precision("highest"):
-        fit()
-    assert traces  # not the default-precision compilation
-    with count_traces() as traces:
-        fit()
-        with jax.default_matmul_precision("highest"):
-            fit()
-    assert traces == []  # both are cached now
-
-
-@pytest.mark.slow  # > 1.5 s on 2 quiet cores (CONTRIBUTING.md: the fast tier)
-def test_a_failed_mode_is_remembered(lv_data):
-    def loss(m, data):  # the default adjoint: forward mode fails, reverse works
-        sol = diffrax.diffeqsolve(
-            diffrax.ODETerm(m),
-            diffrax.Tsit5(),
-            0.0,
-            1.0,
-            0.1,
-            jnp.asarray([1.0, 1.0]),
-            saveat=diffrax.SaveAt(ts=TS[:6]),
-        )
-        return jnp.sum((sol.ys - data[:6]) ** 2)
-
-    fit = lambda: sciflat.minimize(
-        loss, START, args=(lv_data[0],), options={"maxiter": 2}, progress=False
-    )
-    assert "reverse" in fit().message
-    with count_traces() as traces:
-        assert "reverse" in fit().message
-    assert traces == []
-    # Asked for explicitly, the failed mode raises its own error again.
-    with pytest.raises(TypeError, match="forward-mode autodiff"):
-        sciflat.minimize(
-            loss, START, args=(lv_data[0],), mode="forward", progress=False
-        )
-
-
-def test_identity_key_sees_through_sciflats_adapters_only():
-    # sciflat's own adapters, made anew per fit, around the same loss: equal.
-    wrap = lambda loss: _problem.data_by_keyword(loss)
-    assert identity_key(wrap(quad_loss)) == identity_key(wrap(quad_loss))
-    assert identity_key(wrap(quad_loss)) != identity_key(wrap(tied_loss))
-    # Anyone else's closures, however alike: by identity, as `jax.jit` keys them.
-    make = lambda: jax.grad(quad_loss)
-    assert identity_key(make()) != identity_key(make())
-    f = make()
-    assert identity_key(f) == identity_key(f)
-
-
-def test_a_start_of_the_same_structure_is_flattened_once_with_its_own_values(
-    monkeypatch,
-):
-    calls = []
-    real = _scipy_start.destructure
-    monkeypatch.setattr(
-        _scipy_start, "destructure", lambda *a, **k: calls.append(1) or real(*a, **k)
-    )
-    sciflat.clear_caches()  # whatever other tests fitted before
-    seen = _spy(monkeypatch, "minimize")
-    loss = lambda m: jnp.sum((m["w"] - 1.0) ** 2) + jnp.sum(m["v"] ** 2)
-    fit = lambda model: sciflat.minimize(loss, model, progress=False)
-    w = jnp.asarray([3.0, 4.0])
-    fit({"w": w, "v": jnp.asarray([5.0, 6.0])})
-    fit({"w": w, "v": jnp.asarray([5.0, 6.0])})
-    assert len(calls) == 1 and seen["x0"].tolist() == [5.0, 6.0, 3.0, 4.0]
-    fit({"w": jnp.asarray([-1.0, 0.5]), "v": np.asarray([7.0, 8.0], np.float32)})
-    assert len(calls) == 1 and seen["x0"].tolist() == [7.0, 8.0, -1.0, 0.5]
-    mutable = {"w": np.asarray([3.0, 4.0]), "v": np.asarray([1.0, 2.0])}
-    mutable["w"][0] = -2.0  # changed in place: the new start is used
-    fit(mutable)
-    assert len(calls) == 1 and seen["x0"].tolist() == [1.0, 2.0, -2.0, 4.0]
-    # Another structure: the same array twice is one parameter vector, tied.
-    result = fit({"w": w, "v": w})
-    assert len(calls) == 2 and seen["x0"].tolist() == [3.0, 4.0]
-    assert result.model["v"] is result.model["w"]
-    fit({"w": jnp.asarray([3.0]), "v": w})  # another shape
-    assert len(calls) == 3 and seen["x0"].tolist() == [3.0, 4.0, 3.0]
-    # Frozen leaves are values `re` holds: flattened once per model, not structure.
-    frozen = lambda v: {"w": jnp.asarray([3.0, 4.0]), "k": jnp.asarray(v, jnp.int32)}
-    for v in (1, 2):
-        sciflat.minimize(
-            lambda m: jnp.sum(m["w"] ** 2) * m["k"], frozen(v), progress=False
-        )
-    assert len(calls) == 5
 
 
 def test_data_after_the_model_is_a_clear_type_error():
@@ -733,207 +438,6 @@ def test_progress_bar_only_when_asked(capsys):
 
 
 #
-# least_squares
-#
-
-
-def exp_model():
-    return {"amp": jnp.asarray(1.0), "rate": jnp.asarray(0.5)}
-
-
-T = jnp.linspace(0.0, 2.0, 20)
-Y = 3.0 * jnp.exp(-1.3 * T)
-
-
-def exp_residuals(m, t, y):
-    return m["amp"] * jnp.exp(-m["rate"] * t) - y
-
-
-@pytest.mark.parametrize("method", ["lm", "trf"])
-def test_jacobian_started_ahead_changes_nothing_but_when_it_runs(monkeypatch, method):
-    """The Jacobian dispatched after every residual call (dropped where SciPy rejects
-    the step) gives the very same fit as one computed when SciPy asks for it."""
-    from sciflat import _scipy_least_squares as ls
-
-    counts = []
-    real = _scipy_programs.Programs.first_working
-
-    def counting(self, *a, **k):
-        fn, mode = real(self, *a, **k)
-
-        def jac(x, leaves):
-            counts[-1] += 1
-            return fn(x, leaves)
-
-        return jac, mode
-
-    monkeypatch.setattr(_scipy_programs.Programs, "first_working", counting)
-    far = {"amp": jnp.asarray(100.0), "rate": jnp.asarray(10.0)}  # steps get rejected
-    fits = []
-    for limit in (0.0, np.inf):  # never, always ahead
-        monkeypatch.setattr(ls, "_AHEAD_MAX_S", limit)
-        counts.append(0)
-        fits.append(
-            sciflat.least_squares(
-                exp_residuals, far, args=(T, Y), method=method, progress=False
-            )
-        )
-    off, ahead = fits
-    assert off.status == "converged", off.message
-    np.testing.assert_array_equal(ahead.p, off.p)
-    np.testing.assert_array_equal(ahead.history, off.history)
-    assert ahead.n_evaluations == off.n_evaluations
-    assert (ahead.raw.nfev, ahead.raw.njev) == (off.raw.nfev, off.raw.njev)
-    # Ahead: one Jacobian per new point; some of them at rejected points, dropped.
-    # Off: only those SciPy asks for (and perhaps `lm`'s final one, at a new point).
-    assert off.raw.njev <= counts[0] <= off.raw.njev + 1
-    assert counts[1] >= counts[0], counts  # more where JAX ran them on a worker
-    np.testing.assert_array_equal(ahead.stderr["rate"], off.stderr["rate"])
-
-
-class _Result:
-    """A JAX result as `_JacobianAhead` sees it: ready at once (run on the calling
-    thread) or not yet (handed to JAX's worker thread)."""
-
-    def __init__(self, value, ready):
-        self.value, self.ready = value, ready
-
-    def is_ready(self):
-        return self.ready
-
-    def __array__(self, dtype=None, copy=None):
-        return np.asarray(self.value, dtype)
-
-
-@pytest.mark.parametrize("ready", [False, True])
-def test_jacobian_ahead_is_used_at_its_own_point_only(monkeypatch, ready):
-    from sciflat import _scipy_least_squares as ls
-
-    monkeypatch.setattr(ls, "_AHEAD_MAX_S", np.inf)
-    calls = []
-
-    def jac_fn(x, leaves):
-        calls.append(float(x[0]))
-        return _Result(2.0 * x, ready)
-
-    ahead = ls._JacobianAhead(jac_fn, [])
-    x1, x2, x3 = (np.array([v]) for v in (1.0, 2.0, 3.0))
-    ahead.start(x1)  # nothing known yet: not started
-    np.testing.assert_array_equal(ahead.get(x1), [2.0])
-    assert calls == [1.0]
-    ahead.start(x2)  # started ahead; SciPy rejects x2 and asks at x3
-    ahead.start(x3)
-    x3[0] = -9.0  # SciPy reusing its array does not change what was started
-    before = len(calls)
-    np.testing.assert_array_equal(ahead.get(np.array([3.0])), [6.0])
-    # On JAX's worker: started at every new point, so the one at 3 is used. Run on this
-    # thread: nothing to hide, so none is started; 3 is computed when asked for.
-    assert calls[before:] == ([3.0] if ready else [])
-    assert calls[:before] == ([1.0] if ready else [1.0, 2.0, 3.0])
-    np.testing.assert_array_equal(ahead.get(x1), [2.0])  # another point: computed
-    assert calls[-1] == 1.0
-
-
-def test_numpy_data_is_put_on_the_device_once_per_fit(monkeypatch):
-    kinds = []
-    real_get = _scipy_programs.Programs.get
-
-    def get(self, *a, **k):
-        fn = real_get(self, *a, **k)
-
-        def spy(x, leaves):
-            kinds.extend(type(leaf) for leaf in leaves)
-            return fn(x, leaves)
-
-        return spy
-
-    monkeypatch.setattr(_scipy_programs.Programs, "get", get)
-    data = (np.asarray(T), np.asarray(Y))
-    res = sciflat.least_squares(exp_residuals, exp_model(), args=data, progress=False)
-    assert res.status == "converged", res.message
-    np.testing.assert_allclose([res.model["amp"], res.model["rate"]], [3.0, 1.3])
-    assert kinds and all(issubclass(k, jax.Array) for k in kinds), set(kinds)
-
-
-@pytest.mark.parametrize("method", ["trf", "dogbox", "lm"])
-def test_least_squares_methods(method):
-    res = sciflat.least_squares(
-        exp_residuals, exp_model(), args=(T, Y), method=method, progress=False
-    )
-    assert res.status == "converged", res.message
-    np.testing.assert_allclose(
-        [res.model["amp"], res.model["rate"]], [3.0, 1.3], rtol=1e-8
-    )
-    assert res.loss == pytest.approx(res.raw.cost) and "forward" in res.message
-
-
-def test_least_squares_auto_method_is_curve_fits(monkeypatch):
-    # "auto", as curve_fit and lmfit: MINPACK's lm without bounds ...
-    minpack = _spy(monkeypatch, "leastsq")
-    fit = lambda **kw: sciflat.least_squares(
-        exp_residuals, exp_model(), args=(T, Y), progress=False, **kw
-    )
-    res = fit()
-    assert "Dfun" in minpack and "method: lm" in res.message
-    assert res.status == "converged"
-    np.testing.assert_array_equal(res.p, fit(method="lm").p)
-    seen = _spy(monkeypatch, "least_squares")
-    # ... trf with bounds, with a robust loss, or with fewer residuals than parameters.
-    fit(bounds={"['rate']": (0.0, None)})
-    assert seen["method"] == "trf"
-    assert "method: trf" in fit(loss="soft_l1").message
-    wide = {"w": jnp.zeros(30)}
-    r = lambda m: jnp.stack([jnp.sum(m["w"]) - 1.0, jnp.sum(m["w"] ** 2) - 1.0])
-    assert "method: trf" in sciflat.least_squares(r, wide, progress=False).message
-
-
-@pytest.mark.parametrize("x_scale", ["jac", 1.0, np.array([2.0, 0.5])])
-def test_least_squares_lm_is_scipys_lm(x_scale):
-    # sciflat runs MINPACK as `leastsq` does; the iterates are `least_squares`' own
-    # (`verbose`, an option MINPACK does not take, sends the fit through the latter).
-    fit = lambda **kw: sciflat.least_squares(
-        exp_residuals,
-        exp_model(),
-        args=(T, Y),
-        method="lm",
-        x_scale=x_scale,
-        progress=False,
-        **kw,
-    )
-    ours, scipys = fit(), fit(verbose=0)
-    np.testing.assert_array_equal(ours.p, scipys.p)
-    for name in ("nfev", "njev", "status", "cost", "success", "optimality"):
-        assert ours.raw[name] == scipys.raw[name], name
-    np.testing.assert_array_equal(ours.raw.jac, scipys.raw.jac)
-    np.testing.assert_array_equal(ours.raw.fun, scipys.raw.fun)
-    assert ours.history.tolist() == scipys.history.tolist()
-    assert ours.stderr == scipys.stderr
-
-
-def test_least_squares_jacobian_mode_by_shape(monkeypatch):
-    seen = _spy(monkeypatch, "least_squares")
-    sciflat.least_squares(
-        exp_residuals, exp_model(), args=(T, Y), method="trf", progress=False
-    )
-    x0 = seen["x0"]
-    jac = seen["jac"](x0)
-    assert jac.dtype == np.float64 and jac.shape == (20, 2)
-    fd = np.stack(
-        [(seen["fun"](x0 + h) - seen["fun"](x0 - h)) / 2e-6 for h in np.eye(2) * 1e-6],
-        1,
-    )
-    np.testing.assert_allclose(jac, fd, rtol=1e-6, atol=1e-9)
-    # More parameters than residuals: reverse mode; `mode` overrides.
-    wide = {"w": jnp.zeros(30)}
-    r = lambda m: jnp.stack([jnp.sum(m["w"]) - 1.0, jnp.sum(m["w"] ** 2) - 1.0])
-    assert "reverse" in sciflat.least_squares(r, wide, progress=False).message
-    assert (
-        "forward"
-        in sciflat.least_squares(r, wide, mode="forward", progress=False).message
-    )
-
-
-#
 # Lotka–Volterra: 4 rates recovered by minimize and least_squares.
 #
 
@@ -1056,3 +560,31 @@ def test_scipy_iterate_reaches_the_model_unrounded(monkeypatch):
     assert value == 0.0 and np.all(grad == 0.0)
     value, _ = seen["fun"](np.asarray(target) + np.array([1e-12, 0.0]))
     assert value == pytest.approx(1e-24, rel=1e-3)
+
+
+@pytest.mark.slow  # > 1.5 s on 2 quiet cores (CONTRIBUTING.md: the fast tier)
+def test_a_failed_mode_is_remembered(lv_data):
+    def loss(m, data):  # the default adjoint: forward mode fails, reverse works
+        sol = diffrax.diffeqsolve(
+            diffrax.ODETerm(m),
+            diffrax.Tsit5(),
+            0.0,
+            1.0,
+            0.1,
+            jnp.asarray([1.0, 1.0]),
+            saveat=diffrax.SaveAt(ts=TS[:6]),
+        )
+        return jnp.sum((sol.ys - data[:6]) ** 2)
+
+    fit = lambda: sciflat.minimize(
+        loss, START, args=(lv_data[0],), options={"maxiter": 2}, progress=False
+    )
+    assert "reverse" in fit().message
+    with count_traces() as traces:
+        assert "reverse" in fit().message
+    assert traces == []
+    # Asked for explicitly, the failed mode raises its own error again.
+    with pytest.raises(TypeError, match="forward-mode autodiff"):
+        sciflat.minimize(
+            loss, START, args=(lv_data[0],), mode="forward", progress=False
+        )
