@@ -520,20 +520,21 @@ def _closed_form_loss(raw):
 
 
 @pytest.mark.parametrize("adjoint", (*ADJOINTS, "ForwardMode"))
-@pytest.mark.slow  # two solves per adjoint to compile: > 1.5 s on 2 quiet cores
+@pytest.mark.slow  # a solve per adjoint to compile: > 1.5 s on 2 quiet cores
 def test_a_transformed_model_is_unwrapped_in_every_adjoint(adjoint):
     p, re = jnp.asarray([0.2]), DECAY_RE
     diff = jax.jacfwd if adjoint == "ForwardMode" else jax.jacrev
     loss = lambda ys: jnp.sum((ys - DECAY_YS) ** 2)
-    hand_term = diffrax.ODETerm(lambda t, y, m: m(t, y, None))
-    hand = jax.jit(
-        diff(lambda p: loss(_decay_ys(hand_term, HandPositiveDecay(p[0]), adjoint)))
-    )
     # `args=re(p)`, the way docs/diffrax.md teaches (`args=unwrap(re(p))`, what a fit
-    # hands its loss, is the fits' test below).
-    grad = jax.jit(diff(lambda p: loss(_decay_ys(DECAY_TERM, re(p), adjoint))))
-    np.testing.assert_allclose(grad(p), hand(p), rtol=1e-10)
-    np.testing.assert_allclose(hand(p), [jax.grad(_closed_form_loss)(0.2)], rtol=1e-8)
+    # hands its loss, is the fits' test below), against the closed form y = exp(-k t).
+    grad = jax.jit(diff(lambda p: loss(_decay_ys(DECAY_TERM, re(p), adjoint))))(p)
+    np.testing.assert_allclose(grad, [jax.grad(_closed_form_loss)(0.2)], rtol=1e-8)
+    if adjoint == "RecursiveCheckpointAdjoint":  # and the same ODE, softplus by hand
+        hand_term = diffrax.ODETerm(lambda t, y, m: m(t, y, None))
+        hand_ys = lambda p: _decay_ys(hand_term, HandPositiveDecay(p[0]), adjoint)
+        np.testing.assert_allclose(
+            grad, jax.jit(diff(lambda p: loss(hand_ys(p))))(p), rtol=1e-10
+        )
 
 
 def _fit_decay(how: str, adjoint: str, model):
