@@ -30,6 +30,10 @@ if typing.TYPE_CHECKING:
         MultiStartResult as MultiStartResult,
         multistart as multistart,
     )
+    from ._quasi_newton import (
+        QuasiNewtonState as QuasiNewtonState,
+        quasi_newton as quasi_newton,
+    )
     from ._scipy_least_squares import least_squares as least_squares
     from ._scipy_minimize import minimize as minimize
 
@@ -39,6 +43,8 @@ _LAZY = {
     "minimize": "._scipy_minimize",
     "multistart": "._multistart",
     "MultiStartResult": "._multistart",
+    "quasi_newton": "._quasi_newton",
+    "QuasiNewtonState": "._quasi_newton",
 }
 
 
