@@ -19,6 +19,10 @@ CPU, where it says so and what the placement check then means.
 5. Issue 14: the float32 PINN trained at DEFAULT and at HIGHEST matmul precision
    (`examples/pinn/train.py --compare-precision`): error, loss, time, and the cost of
    one loss-and-gradient evaluation under each; in a child process, time-limited.
+6. Issue 20: a short record configuration (Kiyani et al. 2025: 4 x 20, RAD, Adam, then
+   SSBroyden, float64; `train.py --record --adam-steps 500 --steps 2000`), and the
+   per-iteration benchmark against Optimistix's BFGS (`bench_quasi_newton.py`); each in
+   a child process, time-limited. float64 on a GPU is slow: the figure is what counts.
 
 Exits non-zero when a check (1-3) fails.
 """
@@ -195,6 +199,14 @@ def precision_pinn(limit_s: int) -> None:
     _child(train, ["--compare-precision", "--steps", "2000"], limit_s)
 
 
+def record_pinn(limit_s: int) -> None:
+    print("\n## 6. A short record configuration: SSBroyden on the PINN (issue 20)")
+    train = os.path.join(HERE, "..", "examples", "pinn", "train.py")
+    args = ["--record", "--adam-steps", "500", "--steps", "2000", "--out", ""]
+    _child(train, args, limit_s)
+    _child(os.path.join(HERE, "bench_quasi_newton.py"), ["--repeats", "3"], limit_s)
+
+
 def _child(script: str, args: list[str], limit_s: int) -> None:
     """`python script *args` with a time limit, its output printed."""
     print(f"\n$ python {os.path.relpath(script)} {' '.join(args)}", flush=True)
@@ -213,7 +225,7 @@ def _child(script: str, args: list[str], limit_s: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--no-bench", action="store_true", help="skip parts 4 and 5")
+    parser.add_argument("--no-bench", action="store_true", help="skip parts 4 to 6")
     parser.add_argument(
         "--bench-limit", type=int, default=150, help="seconds per benchmark"
     )
@@ -229,6 +241,7 @@ def main() -> None:
     if not args.no_bench:
         benchmarks(args.bench_limit)
         precision_pinn(2 * args.bench_limit)
+        record_pinn(2 * args.bench_limit)
     print(f"\n{len(FAILED)} check(s) failed" + (f": {FAILED}" if FAILED else ""))
     sys.exit(1 if FAILED else 0)
 

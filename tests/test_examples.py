@@ -259,6 +259,37 @@ def test_pinn_default_run_is_accurate(pinn, tmp_path):
     assert (tmp_path / "burgers.png").stat().st_size > 10_000
 
 
+def test_pinn_rad_draws_where_the_residual_is_large(pinn):
+    # |r| = 100 for x > 0, 0 elsewhere: with k = 1, c = 1 the weight |r|/mean|r| + c is
+    # 3 for x > 0 and 1 elsewhere, so 3/4 of the draws fall there; none leave the domain.
+    rng = np.random.default_rng(0)
+    residuals = lambda x, t: jnp.where(x > 0, 100.0, 0.0)
+    x, t = pinn.rad(residuals, rng, 500, pool=5000)
+    assert len(x) == 500 and abs((np.asarray(x) > 0).mean() - 0.75) < 0.05
+    assert x.min() >= -1 and x.max() <= 1 and t.min() >= 0 and t.max() <= 0.99
+
+
+def test_pinn_record_configuration_runs(pinn, tmp_path):
+    # `--record` at tiny size: Adam, then SSBroyden in chunks with RAD in between; the
+    # loss and the error fall, the error is reported after each chunk, a plot is saved.
+    run = pinn.record(
+        steps=60,
+        every=20,
+        adam_steps=20,
+        width=8,
+        depth=2,
+        n_f=300,
+        n_ic=50,
+        n_bc=50,
+        out=str(tmp_path),
+        progress=False,
+    )
+    assert run["iterations"] == 60 and run["p"].dtype == jnp.float64
+    assert [s for s, _ in run["errors"]] == [0, 20, 40, 60, 80]
+    assert run["errors"][-1][1] < run["errors"][1][1] < 1.0
+    assert (tmp_path / "burgers.png").stat().st_size > 10_000
+
+
 @pytest.mark.slow  # > 1.5 s on 2 quiet cores (two short trainings)
 def test_pinn_compare_precision_runs_both_settings(pinn):
     # What benchmarks/gpu_check.py runs on a GPU; on the CPU float32 products are full
