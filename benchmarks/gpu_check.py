@@ -24,6 +24,10 @@ CPU, where it says so and what the placement check then means.
    device (fits per second, beside Gpufit's published figures), the loops of lmfit
    and of the SciPy path on the host's CPU for the ratio; then one small fit on the
    device (`--single`); each in a child process, time-limited.
+7. Issue 20: a short record configuration (Kiyani et al. 2025: 4 x 20, RAD, Adam, then
+   SSBroyden, float64; `train.py --record --adam-steps 500 --steps 2000`), and the
+   per-iteration benchmark against Optimistix's BFGS (`bench_quasi_newton.py`); each in
+   a child process, time-limited. float64 on a GPU is slow: the figure is what counts.
 
 Exits non-zero when a check (1-3) fails.
 """
@@ -208,6 +212,14 @@ def many_fits(limit_s: int) -> None:
     _child(bench, ["--single", "--repeats", "5"], limit_s)
 
 
+def record_pinn(limit_s: int) -> None:
+    print("\n## 7. A short record configuration: SSBroyden on the PINN (issue 20)")
+    train = os.path.join(HERE, "..", "examples", "pinn", "train.py")
+    args = ["--record", "--adam-steps", "500", "--steps", "2000", "--out", ""]
+    _child(train, args, limit_s)
+    _child(os.path.join(HERE, "bench_quasi_newton.py"), ["--repeats", "3"], limit_s)
+
+
 def _child(script: str, args: list[str], limit_s: int) -> None:
     """`python script *args` with a time limit, its output printed."""
     print(f"\n$ python {os.path.relpath(script)} {' '.join(args)}", flush=True)
@@ -226,7 +238,7 @@ def _child(script: str, args: list[str], limit_s: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--no-bench", action="store_true", help="skip parts 4, 5 and 6")
+    parser.add_argument("--no-bench", action="store_true", help="skip parts 4 to 7")
     parser.add_argument(
         "--bench-limit", type=int, default=150, help="seconds per benchmark"
     )
@@ -243,6 +255,7 @@ def main() -> None:
         benchmarks(args.bench_limit)
         precision_pinn(2 * args.bench_limit)
         many_fits(args.bench_limit)
+        record_pinn(2 * args.bench_limit)
     print(f"\n{len(FAILED)} check(s) failed" + (f": {FAILED}" if FAILED else ""))
     sys.exit(1 if FAILED else 0)
 

@@ -38,6 +38,10 @@ if typing.TYPE_CHECKING:
         ReactionODE as ReactionODE,
         petab_problem as petab_problem,
     )
+    from ._quasi_newton import (
+        QuasiNewtonState as QuasiNewtonState,
+        quasi_newton as quasi_newton,
+    )
     from ._scipy_least_squares import least_squares as least_squares
     from ._scipy_minimize import minimize as minimize
 
@@ -53,6 +57,8 @@ _LAZY = {
     "petab_problem": "._petab_problem",
     "PetabProblem": "._petab_problem",
     "ReactionODE": "._petab_problem",
+    "quasi_newton": "._quasi_newton",
+    "QuasiNewtonState": "._quasi_newton",
 }
 
 

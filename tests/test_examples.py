@@ -250,12 +250,45 @@ def test_pinn_float32_then_float64(pinn, optimizer):
 
 @pytest.mark.slow
 def test_pinn_default_run_is_accurate(pinn, tmp_path):
-    # The run a newcomer sees (seed 0, BFGS), stopped at 1,000 of its 1,500 evaluations
-    # to keep CI's time: measured 1.3e-2 there (8.4e-3 at 1,500; seeds 1, 2: 6.2e-4,
-    # 7.5e-4). L-BFGS-B with 2,000 collocation points left it at 0.15, shock misplaced
-    # (pinn/README.md).
-    run = pinn.main(steps=1000, out=str(tmp_path), progress=False, report_every=500)
-    assert run["error"] < 5e-2
+    # The run a newcomer sees (seed 0: the record configuration, 200 Adam steps, then
+    # SSBroyden), stopped at 500 of its 1,000 iterations to keep CI's time: measured
+    # 1.4e-3 there (seeds 1, 2: 9.7e-3, 9.5e-4). The default before (8 x 20, BFGS)
+    # was at 1.3e-2 after 1,000 evaluations; L-BFGS-B with 2,000 collocation points
+    # left it at 0.15, shock misplaced (pinn/README.md).
+    run = pinn.record(**{**pinn.QUICK, "steps": 500}, out=str(tmp_path), progress=False)
+    assert run["iterations"] == 500
+    assert run["error"] < 1e-2
+    assert (tmp_path / "burgers.png").stat().st_size > 10_000
+
+
+def test_pinn_rad_draws_where_the_residual_is_large(pinn):
+    # |r| = 100 for x > 0, 0 elsewhere: with k = 1, c = 1 the weight |r|/mean|r| + c is
+    # 3 for x > 0 and 1 elsewhere, so 3/4 of the draws fall there; none leave the domain.
+    rng = np.random.default_rng(0)
+    residuals = lambda x, t: jnp.where(x > 0, 100.0, 0.0)
+    x, t = pinn.rad(residuals, rng, 500, pool=5000)
+    assert len(x) == 500 and abs((np.asarray(x) > 0).mean() - 0.75) < 0.05
+    assert x.min() >= -1 and x.max() <= 1 and t.min() >= 0 and t.max() <= 0.99
+
+
+def test_pinn_record_configuration_runs(pinn, tmp_path):
+    # `--record` at tiny size: Adam, then SSBroyden in chunks with RAD in between; the
+    # loss and the error fall, the error is reported after each chunk, a plot is saved.
+    run = pinn.record(
+        steps=60,
+        every=20,
+        adam_steps=20,
+        width=8,
+        depth=2,
+        n_f=300,
+        n_ic=50,
+        n_bc=50,
+        out=str(tmp_path),
+        progress=False,
+    )
+    assert run["iterations"] == 60 and run["p"].dtype == jnp.float64
+    assert [s for s, _ in run["errors"]] == [0, 20, 40, 60, 80]
+    assert run["errors"][-1][1] < run["errors"][1][1] < 1.0
     assert (tmp_path / "burgers.png").stat().st_size > 10_000
 
 
