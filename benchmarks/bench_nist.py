@@ -14,7 +14,6 @@ interleaved fit by fit, after one warm-up fit each (compilation excluded); media
     python benchmarks/bench_nist.py --repeats 3 Misra1a Chwirut2
     python benchmarks/bench_nist.py path/to/BoxBOD.dat   # any StRD file
     python benchmarks/bench_nist.py --sync-dispatch      # JAX's CPU async dispatch off
-    python benchmarks/bench_nist.py --ahead              # sciflat's Jacobian ahead, A/B
 
 `--sync-dispatch` sets `jax_cpu_enable_async_dispatch` to False before JAX starts: JAX
 then runs each compiled call on the calling thread instead of handing it to a worker
@@ -127,29 +126,6 @@ def per_call_us(problem: nist.Problem, host_us: float, calls: int = 1000) -> flo
     return 1e6 * statistics.median(times)
 
 
-def ahead_ab(problems: list, rounds: int = 60) -> None:
-    """sciflat with and without the Jacobian started ahead (its private threshold set
-    to 0 turns it off), interleaved fit by fit in this process: median ms per fit."""
-    from sciflat import _scipy_least_squares as ls
-
-    default = ls._AHEAD_MAX_S
-    print("| problem | Jacobian ahead: off | on | on / off |\n|---|---:|---:|---:|")
-    for problem in problems:
-        times: dict[float, list[float]] = {0.0: [], default: []}
-        for limit in times:  # warm-up
-            ls._AHEAD_MAX_S = limit
-            nist.fit(problem, 1)
-        for i in range(rounds):
-            for limit in times:
-                ls._AHEAD_MAX_S = limit
-                t0 = time.perf_counter()
-                jax.block_until_ready(nist.fit(problem, 1 + i % 2).p)
-                times[limit].append(time.perf_counter() - t0)
-        off, on = (statistics.median(times[k]) for k in (0.0, default))
-        print(f"| {problem.name} | {1e3 * off:.2f} | {1e3 * on:.2f} | {on / off:.2f} |")
-    ls._AHEAD_MAX_S = default
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("problems", nargs="*", help="names in tests/data or .dat paths")
@@ -158,11 +134,6 @@ def main(argv=None):
         "--sync-dispatch",
         action="store_true",
         help="run JAX's CPU computations on the calling thread (no async dispatch)",
-    )
-    parser.add_argument(
-        "--ahead",
-        action="store_true",
-        help="only the A/B of sciflat's Jacobian started ahead (both starts alternating)",
     )
     args = parser.parse_args(argv)
     if args.sync_dispatch:  # read when JAX's CPU backend starts, i.e. on first use
@@ -173,9 +144,6 @@ def main(argv=None):
     problems = (
         [nist.read(p) for p in args.problems] if args.problems else nist.problems()
     )
-    if args.ahead:
-        ahead_ab(problems)
-        return
     for p in [q for q in problems if q.name in ("Misra1a", "Chwirut1")]:
         calls = ", ".join(
             f"{per_call_us(p, us):.0f} µs after {us} µs" for us in (0, 100)

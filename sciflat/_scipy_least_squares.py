@@ -1,7 +1,6 @@
 """`scipy.optimize.least_squares` on a model: residuals and Jacobian by JAX."""
 
 import math
-import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -231,7 +230,6 @@ def least_squares(
 def _solve(method, start, lb_ub, res_fn, jac_fn, leaves, re, tracker, limit, kwargs):
     """One run of SciPy's `least_squares`: `(raw, status, message, x, cost,
     rejected)`, `rejected` the number of trial points with non-finite residuals."""
-    ahead = _JacobianAhead(jac_fn, leaves)
     rejected = [0]
 
     def fun(x):
@@ -256,15 +254,13 @@ def _solve(method, start, lb_ub, res_fn, jac_fn, leaves, re, tracker, limit, kwa
                     "Jacobian",
                 )
             )
-        if math.isfinite(cost):  # a rejected point needs no Jacobian
-            ahead.start(x)
-        elif not np.isfinite(out).all():
+        if not math.isfinite(cost) and not np.isfinite(out).all():
             rejected[0] += 1
         tracker.seen(x, cost)
         return out
 
     def jac(x, *_):
-        out = ahead.get(x)
+        out = np.array(jac_fn(x, leaves))
         if not np.isfinite(out).all():
             where = f"iteration {len(tracker.history) + 1}"
             raise NonFinite(
@@ -304,41 +300,6 @@ def _solve(method, start, lb_ub, res_fn, jac_fn, leaves, re, tracker, limit, kwa
                 " start closer."
             )
     return res, status, message, x, value, rejected[0]
-
-
-class _JacobianAhead:
-    """The Jacobian at each new point, dispatched as soon as its residuals are in.
-
-    Rule: start it ahead while the last Jacobian computed on request ran on JAX's
-    worker thread (not done when its call returned) and took under `_AHEAD_MAX_S`;
-    use a started one only at its own point. It hides the worker's wake-up while SciPy
-    decides (docs/scipy.md, "JAX's CPU async dispatch", has the figures); the same
-    compiled function at the same point gives the same values either way."""
-
-    def __init__(self, jac_fn, leaves):
-        self.jac_fn, self.leaves = jac_fn, leaves
-        self.ahead = False  # decided at every Jacobian not started ahead
-        self.pending: tuple[np.ndarray, Any] | None = None
-
-    def start(self, x: np.ndarray) -> None:
-        if self.ahead:
-            x = x.copy()  # SciPy may change its `x` in place while this runs
-            self.pending = (x, self.jac_fn(x, self.leaves))
-
-    def get(self, x: np.ndarray) -> np.ndarray:
-        pending, self.pending = self.pending, None
-        if pending is not None and np.array_equal(pending[0], x):
-            return np.array(pending[1])
-        t0 = time.perf_counter()
-        out = self.jac_fn(x, self.leaves)
-        on_worker = not out.is_ready()
-        out = np.array(out)
-        self.ahead = on_worker and time.perf_counter() - t0 < _AHEAD_MAX_S
-        return out
-
-
-# A Jacobian this cheap costs little where it is dropped (about five wake-ups).
-_AHEAD_MAX_S = 5e-4
 
 
 # Rule: `lm` calls MINPACK's `lmder` through `scipy.optimize.leastsq`, whose iterates
