@@ -5,11 +5,12 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
+import numpy as np
 
 from . import _scipy_start
 from ._flatten import Restructure
 from ._problem import split_args
-from ._scipy_fn_key import identity_key
+from ._scipy_fn_key import Same, identity_key
 
 
 # One `jax.jit` per (kind, mode, loss, `re`, static part of `args`): the loss by
@@ -39,7 +40,10 @@ class Programs:
     def __init__(self, build: Callable, loss: Callable, re: Restructure, args: tuple):
         self.leaves, rebuild = split_args(args)
         self._parts = (build, loss, re, rebuild)
-        self._key = (build, identity_key(loss), re, rebuild)
+        # `re` compares its frozen arrays by identity: sound for JAX arrays, which
+        # cannot change, not for a NumPy one, which can change in place between fits.
+        mutable = any(isinstance(x, np.ndarray) for x in jax.tree.leaves(re))
+        self._key = (build, identity_key(loss), Same(re) if mutable else re, rebuild)
         self.out_info: dict[str, Any] = {}  # of each kind got, as traced
 
     def get(self, kind: str, mode: str, *example) -> Any:
