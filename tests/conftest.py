@@ -1,13 +1,30 @@
 import os
+import shutil
+import tempfile
 
 import hypothesis
-import jax
 import pytest
+
+
+# JAX's persistent compilation cache, fresh for each run of the suite and shared by its
+# processes (the pytest-xdist workers, the docs runner, the examples' children: they
+# inherit the variable): a program compiled again by a later test -- every `fit` and
+# every resumed fit compiles its step anew -- is read back instead of built. JAX keys
+# each entry by the whole compiled program, its options and the backend, so a hit is
+# the program XLA would build. A developer's own cache directory is left as it is.
+_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if _OWN_CACHE:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="sciflat-jax-")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+
+import jax  # noqa: E402  (after the cache settings, which JAX reads on import)
 
 
 # The suite runs with 64-bit mode on, so float64 is available everywhere; the few tests
 # about what happens without it ask for the `x64_off` fixture.
 jax.config.update("jax_enable_x64", True)
+# Also when a plugin imported JAX before this file set the variable.
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 
 
 # In CI the property tests draw the same examples every run, so a CI failure can be
@@ -24,13 +41,19 @@ def x64_off():
         yield
 
 
-# The example runs train real models (in subprocesses, too): seconds each, so the whole
-# file is in the slow tier. Marked here rather than in the file, which other features'
-# owners edit.
-_SLOW_FILES = ("test_examples.py",)
+# The example runs train real models (in subprocesses, too): seconds each, so their
+# files (`test_example_*.py`, one per example) are in the slow tier. Marked here rather
+# than in the files, which the examples' owners edit.
+_SLOW_PREFIX = "test_example_"
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.path.name in _SLOW_FILES:
+        if item.path.name.startswith(_SLOW_PREFIX):
             item.add_marker(pytest.mark.slow)
+
+
+def pytest_unconfigure(config):
+    # The process that made the cache removes it (an xdist worker has `workerinput`).
+    if _OWN_CACHE and not hasattr(config, "workerinput"):
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)

@@ -1,6 +1,8 @@
 """Shared test utilities: reference comparisons, the edge-case models, the jaxpr scanner."""
 
 import contextlib
+import importlib.util
+import pathlib
 from typing import Any
 
 import equinox as eqx
@@ -301,3 +303,14 @@ def count_traces():
     yield seen
     trace = "/jax/core/compile/jaxpr_trace_duration"
     seen.extend(e for e in _EVENTS[start:] if e == trace)
+
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def load_example(name: str, file: str):
+    """Import an example script from its path, as a user would run it."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / name / file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
