@@ -880,8 +880,9 @@ class PetabProblem:
             raise ValueError("`result` has no `re`: pass what a sciflat fit returned.")
         x = jnp.asarray(result.p, jnp.float64)
         f = lambda x: self._nll(re(x))
-        hess = jax.jit(jax.jacfwd(jax.jacfwd(f)))(x)
-        unc = from_hessian(np.asarray(hess), float(f(x)), re, "nll", None)
+        # The value and the Hessian in one compiled program.
+        value, hess = jax.jit(lambda x: (f(x), jax.jacfwd(jax.jacfwd(f))(x)))(x)
+        unc = from_hessian(np.asarray(hess), float(value), re, "nll", None)
         return dataclasses.replace(result, uncertainty=unc)
 
 

@@ -9,11 +9,12 @@ from helpers import load_example as load
 
 def test_boehm_example_reproduces_the_published_fit_and_fits(tmp_path):
     boehm = load("parameter_estimation", "boehm.py")
-    run = boehm.main(starts=2, seed=0, out=str(tmp_path))
+    run = boehm.main(starts=1, seed=0, out=str(tmp_path))
     np.testing.assert_allclose(run["llh_nominal"], boehm.AMICI_LLH, rtol=1e-6)
-    # Every start improved on where it began, and the best has standard errors.
+    # One start (multistart itself is tested in test_multistart.py): it improved on
+    # where it began, and the best has standard errors.
     problem = run["problem"]
-    starts = problem.sample_starts(2, seed=0)
+    starts = problem.sample_starts(1, seed=0)
     begun = [float(problem.llh(s)) for s in starts]
     assert all(a > b for a, b in zip(run["llhs"], begun, strict=True))
     assert run["llh_best"] == max(run["llhs"])
