@@ -536,7 +536,10 @@ def record(
             reason = f"stopped after {done} iterations: {res.message}"
             break
         if stop_at is not None and curve[-1][1] <= stop_at:
-            reason = f"relative L2 error {curve[-1][1]:.2e} <= {stop_at:g} after {done} iterations"
+            reason = (
+                f"relative L2 error {curve[-1][1]:.2e} <= {stop_at:g} after {done} "
+                "iterations"
+            )
             break
     elapsed = time.perf_counter() - t0
     print(f"relative L2 error vs the Cole–Hopf reference: {curve[-1][1]:.3e}")
