@@ -25,8 +25,8 @@ from ._progress import progress_bar
 from ._result import FitResult, Status, _model_shaped
 from ._scipy_programs import Programs
 from ._scipy_start import start as float64_start
-from ._transforms import for_values, has_transforms, unwrapping
-from ._uncertainty import Uncertainty, _rank_cutoff, from_jacobian
+from ._transforms import has_transforms, unwrapping
+from ._uncertainty import Uncertainty, jacobian_scale
 
 
 _M = TypeVar("_M")
@@ -310,7 +310,7 @@ def _build(kind, residuals, re, rebuild, mode: str) -> Callable:
         dls.check_shape(m, x0.shape[0], _WHO)
         both = dls.with_jacobian(lambda x: r(x, leaves), mode)
         state = _lm.solve(both, x0, opts)
-        return _outputs(state)
+        return dls.outputs(state)
 
     def many(x0s, opts, shared, batched):
         return jax.vmap(one, in_axes=(0, None, None, 0))(x0s, opts, shared, batched)
@@ -333,34 +333,6 @@ def _build(kind, residuals, re, rebuild, mode: str) -> Callable:
     return fit
 
 
-def _outputs(state: _lm.State) -> dict:
-    """What the host needs of one finished fit: the covariance is computed here, on
-    the device, as `from_jacobian` computes it (an SVD of the column-scaled
-    Jacobian), and the Jacobian is kept for the fits whose rank is deficient."""
-    jac = state.jac
-    m, n = jac.shape
-    d = jnp.sqrt(jnp.sum(jac * jac, axis=0))
-    d = jnp.where(d > 0, d, 1.0)
-    _, s, vt = _lm.svd(jac / d)
-    values = s**2
-    cutoff = _rank_cutoff((m, n)) ** 2 * jnp.max(values)
-    full = jnp.all(values > jnp.maximum(cutoff, np.finfo(np.float64).tiny))
-    v = vt.T
-    cost = 0.5 * state.fnorm**2
-    s2 = 2.0 * cost / (m - n) if m > n else jnp.nan
-    cov = s2 * (v / values) @ v.T / jnp.outer(d, d)
-    return dict(
-        x=state.x,
-        cost=cost,
-        nfev=state.nfev,
-        njev=state.njev,
-        info=state.info,
-        cov=cov,
-        full=full,
-        jac=jac,
-    )
-
-
 def _result(outs, re, x0s, max_nfev: int, how: str, k: int) -> BatchResult:
     host = {key: [] for key in ("x", "cost", "nfev", "njev", "info", "cov", "full")}
     jacs: list = []
@@ -376,13 +348,7 @@ def _result(outs, re, x0s, max_nfev: int, how: str, k: int) -> BatchResult:
     p = np.where(started[:, None], h["x"], x0s)
     loss = np.where(started, h["cost"], np.nan)
     cov = np.where(started[:, None, None], h["cov"], np.nan)
-    dof = m - n
-    scales = [
-        f"s² (JᵀJ)⁻¹ with the residual variance s² = Σr² / (m - n) = "
-        f"{2 * c / dof if dof > 0 else np.nan:.6g} (m = {m} residuals, n = {n} "
-        "determined parameters)"
-        for c in loss
-    ]
+    scales = [jacobian_scale(c, m, n) for c in loss]
     dropped: list[tuple[str, ...]] = [()] * k
     transforms = has_transforms(re(jnp.asarray(p[0])))
     size = len(outs[0][0]) if outs else k
@@ -390,9 +356,10 @@ def _result(outs, re, x0s, max_nfev: int, how: str, k: int) -> BatchResult:
     # which names the undetermined directions, and the delta method.
     for i in np.flatnonzero(started & (~h["full"] | transforms)):
         jac = np.asarray(jacs[i // size][i % size])
-        unc = from_jacobian(jac, float(loss[i]), re)
-        x = jnp.asarray(p[i])
-        unc = for_values(unc, re, x, re(x))
+        x = p[i]
+        unc = dls.uncertainty(
+            cov[i], False, jac, float(loss[i]), re, x, re(jnp.asarray(x)), transforms
+        )
         cov[i], scales[i], dropped[i] = unc.covariance, unc.scale, unc.unidentifiable
     status, message = [], []
     for info in h["info"]:

@@ -1,6 +1,7 @@
 """`least_squares(method="device")`: the whole Levenberg–Marquardt fit as one
 compiled program (`_lm.py`), on the problem layer the SciPy fits share."""
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -9,14 +10,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _lm
+from ._flatten import from_pieces, pieces
 from ._floats import promote_floats
 from ._gradients import Mode, choose_modes
 from ._problem import check_args, check_float64, residual_vector
 from ._result import FitResult
 from ._scipy_programs import Programs
 from ._scipy_start import start as float64_start
-from ._transforms import for_values, unwrapping
-from ._uncertainty import from_jacobian
+from ._transforms import for_values, has_transforms, unwrapping
+from ._uncertainty import Uncertainty, _rank_cutoff, from_jacobian, jacobian_scale
 
 
 # What the device fit takes; defaults as the SciPy path's (`_scipy_least_squares`).
@@ -83,7 +85,8 @@ def with_jacobian(r: Callable, mode: str) -> Callable:
 
 
 def _build(kind, residuals, re, rebuild, mode: str) -> Callable:
-    """The compiled single fit: `(x0, options, leaves) -> final State`."""
+    """The compiled single fit: `(x0, options, leaves) -> outputs` (`outputs`, with
+    the residuals, the history and the pieces of the fitted model)."""
     history = int(kind.removeprefix("device:"))
     r = residual_fn(residuals, re, rebuild)
 
@@ -92,9 +95,77 @@ def _build(kind, residuals, re, rebuild, mode: str) -> Callable:
             jax.eval_shape(r, x0, leaves).shape[0], x0.shape[0], "least_squares"
         )
         both = with_jacobian(lambda x: r(x, leaves), mode)
-        return _lm.solve(both, x0, opts, history)
+        state = _lm.solve(both, x0, opts, history)
+        host = dict(outputs(state), f=state.f, history=state.history)
+        # A fit that cannot start keeps its start: `state.x` is `x0` then.
+        return dict(host=_pack(host), x=state.x, model=pieces(re, state.x))
 
     return fit
+
+
+# What the host reads of a single fit, as one float64 vector: one transfer, where
+# each array of its own costs a transfer (~10 µs each on the CPU; the whole fit of a
+# NIST problem is ~1 ms). Integers below 2**53 are exact in float64.
+_PACKED = ("cost", "nfev", "njev", "info", "full", "x", "f", "jac", "cov", "history")
+
+
+def _pack(out: dict) -> jax.Array:
+    return jnp.concatenate([jnp.ravel(out[k]).astype(jnp.float64) for k in _PACKED])
+
+
+def _unpack(packed: np.ndarray, n: int, n_history: int) -> dict:
+    # Five scalars, x (n), f (m), jac (m, n), cov (n, n), the history.
+    m = (len(packed) - 5 - n - n * n - n_history) // (n + 1)
+    shapes = dict(x=(n,), f=(m,), jac=(m, n), cov=(n, n), history=(n_history,))
+    out, at = {}, 0
+    for k in _PACKED:
+        shape = shapes.get(k, ())
+        size = math.prod(shape)
+        out[k] = packed[at : at + size].reshape(shape)
+        at += size
+    return out
+
+
+def outputs(state: _lm.State) -> dict:
+    """What the host needs of one finished fit. The covariance is computed here, on
+    the device, as `from_jacobian` computes it for a Jacobian of full rank (an SVD
+    of the column-scaled Jacobian); `full` says whether it has full rank, and the
+    host computes it again (naming the undetermined directions) where not."""
+    jac = state.jac
+    m, n = jac.shape
+    d = jnp.sqrt(jnp.sum(jac * jac, axis=0))
+    d = jnp.where(d > 0, d, 1.0)
+    _, s, vt = _lm.svd(jac / d)
+    values = s**2
+    cutoff = _rank_cutoff((m, n)) ** 2 * jnp.max(values)
+    full = jnp.all(values > jnp.maximum(cutoff, np.finfo(np.float64).tiny))
+    v = vt.T
+    cost = 0.5 * state.fnorm**2
+    s2 = 2.0 * cost / (m - n) if m > n else jnp.nan
+    cov = s2 * (v / values) @ v.T / jnp.outer(d, d)
+    return dict(
+        x=state.x,
+        cost=cost,
+        nfev=state.nfev,
+        njev=state.njev,
+        info=state.info,
+        cov=cov,
+        full=full,
+        jac=jac,
+    )
+
+
+def uncertainty(
+    cov, full: bool, jac, cost: float, re, x, model, transforms: bool
+) -> Uncertainty:
+    """The `Uncertainty` of a finished device fit (NumPy `cov`, `jac`): the device's
+    covariance where the Jacobian has full rank, else `from_jacobian`; for the
+    constrained values through transforms."""
+    if full and not transforms:
+        m, n = np.shape(jac)
+        return Uncertainty(cov, re, jacobian_scale(cost, m, n))
+    unc = from_jacobian(jac, cost, re)
+    return for_values(unc, re, jnp.asarray(x), model)
 
 
 def check_shape(m: int, n: int, who: str) -> None:
@@ -144,49 +215,57 @@ def least_squares_on_device(
     start, re = float64_start(model, x0, filter_spec, who)
     args = check_args(args, who)
     opts, max_nfev = options(kwargs, len(re), who)
-    programs = Programs(_build, residuals, re, args)
-    kind = f"device:{min(max_nfev, _HISTORY_MAX) + 1}"  # the history's length
+    # One call: the data go to the device with it (`jax.jit` copies NumPy arrays).
+    programs = Programs(_build, residuals, re, args, to_device=False)
+    n_history = min(max_nfev, _HISTORY_MAX) + 1
+    kind = f"device:{n_history}"
     # Forward mode first: the fit needs m >= n, where it is the cheaper one.
     fn, used = programs.first_working(kind, choose_modes(mode, True), start, opts)
-    m = programs.out_info[kind].f.shape[0]
-    state = jax.device_get(fn(start, opts, programs.leaves))
-    return fit_result(state, re, m, start, max_nfev, f"Jacobian: {used} mode")
+    out = fn(start, opts, programs.leaves)
+    how = f"Jacobian: {used} mode"
+    return fit_result(out, re, n_history, max_nfev, how)
 
 
-def fit_result(state, re, m: int, start, max_nfev: int, how: str) -> FitResult:
-    """The `FitResult` of one finished `State` (NumPy arrays)."""
+def fit_result(out: dict, re, n_history: int, max_nfev: int, how: str) -> FitResult:
+    """The `FitResult` of one finished fit: `out` from the compiled program, brought
+    to the host at once (`p` and the model stay on the device)."""
     import scipy.optimize
 
-    info = int(state.info)
+    model = from_pieces(re, out["model"])
+    p = out["x"]
+    host = _unpack(np.asarray(jax.device_get(out["host"])), len(re), n_history)
+    m = len(host["f"])
+    info = int(host["info"])
     status, message = status_and_message(info, max_nfev)
     ok = info != _lm.NONFINITE_START
-    x = np.asarray(state.x if ok else start, np.float64)
-    cost = 0.5 * float(state.fnorm) ** 2 if ok else np.nan
-    p = jnp.asarray(x)
-    fitted = re(p)
+    x = np.asarray(host["x"], np.float64)
+    cost = float(host["cost"]) if ok else np.nan
     unc = None
     if ok:
-        unc = from_jacobian(np.asarray(state.jac), cost, re)
-        unc = for_values(unc, re, p, fitted)
-    njev = int(state.njev)
-    history = np.asarray(state.history, np.float64)[: min(njev, len(state.history))]
-    grad = np.asarray(state.jac).T @ np.asarray(state.f)
+        transforms = has_transforms(model)
+        unc = uncertainty(
+            host["cov"], bool(host["full"]), host["jac"], cost, re, x, model, transforms
+        )
+    njev = int(host["njev"])
+    history = np.asarray(host["history"])[: min(njev, len(host["history"]))]
+    jac, f = np.asarray(host["jac"]), np.asarray(host["f"])
+    grad = jac.T @ f
     raw = scipy.optimize.OptimizeResult(
         x=x,
         cost=cost,
-        fun=np.asarray(state.f),
-        jac=np.asarray(state.jac),
+        fun=f,
+        jac=jac,
         grad=grad,
         optimality=float(np.max(np.abs(grad), initial=0.0)),
         active_mask=np.zeros(len(x), int),
-        nfev=int(state.nfev),
+        nfev=int(host["nfev"]),
         njev=njev,
         status=_SCIPY_STATUS.get(info, -1),
         message=message,
         success=status == "converged",
     )
     return FitResult(
-        model=fitted,
+        model=model,
         p=p,
         loss=cost,
         status=status,
@@ -198,5 +277,5 @@ def fit_result(state, re, m: int, start, max_nfev: int, how: str) -> FitResult:
         uncertainty=unc,
         chisqr=2.0 * cost,
         n_data=m,
-        n_evaluations=int(state.nfev),
+        n_evaluations=int(host["nfev"]),
     )

@@ -195,20 +195,7 @@ class Restructure(eqx.Module, Generic[_M]):
             slot_arrays, casts = _rebuild_on_host(spec, p, cast_in)
         else:
             slot_arrays, casts = _rebuild_on_device(spec, p, cast_in)
-        leaves = []
-        for kind, value in spec.kinds:
-            if kind == _TRAIN:
-                leaves.append(slot_arrays[value])
-            elif kind == _CAST:
-                leaves.append(casts[value])
-            elif kind == _KEEP:
-                leaves.append(self._arrays[value])
-            else:
-                leaves.append(value.value if isinstance(value, _ById) else value)
-        model = jtu.tree_unflatten(spec.treedef, leaves)
-        for where, get in self._ties:
-            model = eqx.tree_at(where, model, get(model))
-        return model
+        return from_pieces(self, (slot_arrays, casts))
 
     def __len__(self) -> int:
         return self._spec.size
@@ -553,3 +540,33 @@ def _mixed_tie_message(path: str) -> str:
         "trainable and the other frozen by `filter_spec`. A tied array must be "
         "trainable everywhere or frozen everywhere."
     )
+
+
+def pieces(re: Restructure, p: jax.Array) -> tuple[list, list]:
+    """The arrays `re(p)` is made of (its trainable leaves, its frozen floating leaves
+    in `p.dtype`), computed inside a compiled program, which can return them:
+    `from_pieces(re, pieces)` is then `re(p)` without another dispatch."""
+    spec = re._spec
+    return _rebuild_traced(spec, p, re._arrays[: spec.n_cast])
+
+
+def from_pieces(re: Restructure[_M], pieces: tuple[list, list]) -> _M:
+    """The model from the arrays `pieces` returned (a function, not a method: an
+    Equinox method is a new bound-method module at every access)."""
+    spec = re._spec
+    slot_arrays, casts = pieces
+    arrays = re._arrays
+    leaves = []
+    for kind, value in spec.kinds:
+        if kind == _TRAIN:
+            leaves.append(slot_arrays[value])
+        elif kind == _CAST:
+            leaves.append(casts[value])
+        elif kind == _KEEP:
+            leaves.append(arrays[value])
+        else:
+            leaves.append(value.value if isinstance(value, _ById) else value)
+    model = jtu.tree_unflatten(spec.treedef, leaves)
+    for where, get in re._ties:
+        model = eqx.tree_at(where, model, get(model))
+    return model

@@ -287,7 +287,8 @@ def trial(f_and_jac: Callable, state: State, options: Options) -> State:
     info = jnp.where((info == 0) & accept & (gnorm <= options.gtol), 4, info)
     history = state.history
     at = jnp.minimum(njev - 1, history.shape[0] - 1)
-    history = jnp.where(accept, history.at[at].set(0.5 * fnorm**2), history)
+    # One entry written in place (a `where` of the whole history would copy it).
+    history = history.at[at].set(jnp.where(accept, 0.5 * fnorm**2, history[at]))
     return State(
         x=x,
         f=f,

@@ -24,11 +24,17 @@ def check_start(p, re, who: str) -> None:
             f"`{who}`: the model has no trainable floating leaves, so there is nothing "
             "to fit. Check `filter_spec` and that the parameters are floating arrays."
         )
-    if bad := nonfinite_paths(p, re):
+    if not _all_finite(p) and (bad := nonfinite_paths(p, re)):
         raise ValueError(
             f"`{who}`: the starting point is not finite in {names(bad)} (NaN or "
             "infinity)."
         )
+
+
+def _all_finite(p) -> bool:
+    # The usual case, without building the layout (`nonfinite_paths` names the leaves).
+    flat = np.asarray(p)
+    return flat.dtype in (np.float32, np.float64) and bool(np.isfinite(flat).all())
 
 
 _P = ParamSpec("_P")
@@ -81,15 +87,18 @@ def check_args(args, who: str) -> tuple:
     return tuple(args)
 
 
-def split_args(args: tuple) -> tuple[list, Any]:
+def split_args(args: tuple, to_device: bool = True) -> tuple[list, Any]:
     """Array leaves of `args` (passed to the compiled call) and a hashable key that
     puts them back (so a second fit with new data reuses the compiled functions).
-    NumPy data is put on the device once here, not at every call of the fit."""
+    NumPy data is put on the device once here, not at every call of the fit; with
+    `to_device=False` (a fit that is one call) `jax.jit` copies it at that call."""
     dynamic, static = eqx.partition(args, eqx.is_array)
     leaves, treedef = jax.tree.flatten(dynamic)
-    leaves = [
-        jnp.asarray(x) if isinstance(x, np.ndarray | np.generic) else x for x in leaves
-    ]
+    if to_device:
+        leaves = [
+            jnp.asarray(x) if isinstance(x, np.ndarray | np.generic) else x
+            for x in leaves
+        ]
     return leaves, _Rebuild(treedef, static)
 
 

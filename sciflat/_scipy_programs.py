@@ -26,8 +26,18 @@ class _Failed:
     """A gradient mode that failed to trace while another one worked."""
 
 
+class _Entry:
+    """One `jax.jit`, and the output shapes of each signature it was traced at."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.out_info: dict[Hashable, Any] = {}
+
+
 def _signature(example) -> Hashable:
     def one(x):
+        if type(x) is np.ndarray:  # what `jax.typeof` gives it, without the cost
+            return (x.shape, x.dtype, False, None)
         aval = jax.typeof(x)
         return (aval.shape, aval.dtype, aval.weak_type, getattr(x, "sharding", None))
 
@@ -37,8 +47,15 @@ def _signature(example) -> Hashable:
 class Programs:
     """The jitted functions of one fit, looked up in (or added to) the cache."""
 
-    def __init__(self, build: Callable, loss: Callable, re: Restructure, args: tuple):
-        self.leaves, rebuild = split_args(args)
+    def __init__(
+        self,
+        build: Callable,
+        loss: Callable,
+        re: Restructure,
+        args: tuple,
+        to_device: bool = True,
+    ):
+        self.leaves, rebuild = split_args(args, to_device)
         self._parts = (build, loss, re, rebuild)
         # `re` compares its frozen arrays by identity: sound for JAX arrays, which
         # cannot change, not for a NumPy one, which can change in place between fits.
@@ -46,18 +63,25 @@ class Programs:
         self._key = (build, identity_key(loss), Same(re) if mutable else re, rebuild)
         self.out_info: dict[str, Any] = {}  # of each kind got, as traced
 
-    def get(self, kind: str, mode: str, *example) -> Any:
+    def get(self, kind: str, mode: str, *example, where: Hashable = None) -> Any:
         """The jitted `kind` function, traced at `example` (its arguments but the
-        data), so that an error in the trace is raised here."""
+        data), so that an error in the trace is raised here. A signature traced
+        before (`where`: shapes, dtypes, placement) is not traced again: its output
+        shapes are known, and `jax.jit` reuses that trace for the call."""
         key = (kind, mode, *self._key)
-        fn = _CACHE.get(key)
-        if fn is None:
+        entry = _CACHE.get(key)
+        if entry is None:
             build, loss, re, rebuild = self._parts
-            fn = jax.jit(build(kind, loss, re, rebuild, mode))
-        traced = fn.trace(*example, self.leaves)  # cached by `jax.jit` for the call
-        _remember(key, fn)
-        self.out_info[kind] = traced.out_info
-        return fn
+            entry = _Entry(jax.jit(build(kind, loss, re, rebuild, mode)))
+        if where is None:
+            where = _signature((*example, self.leaves))
+        info = entry.out_info.get(where)
+        if info is None:
+            info = entry.fn.trace(*example, self.leaves).out_info
+            entry.out_info[where] = info
+        _remember(key, entry)
+        self.out_info[kind] = info
+        return entry.fn
 
     def first_working(self, kind: str, modes: list[str], *example) -> tuple[Any, str]:
         """Trace with the preferred mode; on a trace-time error (e.g. forward mode
@@ -71,7 +95,7 @@ class Programs:
             if failure in _CACHE and i < len(modes) - 1:
                 continue  # the last mode is traced again, to raise its own error
             try:
-                fn = self.get(kind, mode, *example)
+                fn = self.get(kind, mode, *example, where=where)
             except (TypeError, ValueError) as e:
                 failed.append(failure)
                 errors.append(e)

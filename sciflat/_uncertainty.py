@@ -154,13 +154,20 @@ def from_jacobian(jac, cost: float, re: Restructure) -> Uncertainty:
     rank = n - len(dropped)
     dof = m - rank
     s2 = 2.0 * cost / dof if dof > 0 else np.nan
+    return Uncertainty(s2 * inner, re, jacobian_scale(cost, m, rank), dropped)
+
+
+def jacobian_scale(cost: float, m: int, rank: int) -> str:
+    """How `from_jacobian` scaled its covariance, in words."""
+    dof = m - rank
+    s2 = 2.0 * cost / dof if dof > 0 else np.nan
     scale = (
         f"s² (JᵀJ)⁻¹ with the residual variance s² = Σr² / (m - n) = {s2:.6g} "
         f"(m = {m} residuals, n = {rank} determined parameters)"
     )
     if dof <= 0:
         scale += ": undefined, there are no more residuals than parameters"
-    return Uncertainty(s2 * inner, re, scale, dropped)
+    return scale
 
 
 def from_hessian(

@@ -229,6 +229,58 @@ def test_a_nonfinite_trial_step_is_shrunk_not_a_stop():
         assert float(fit.model["b"]) == pytest.approx(0.01, rel=1e-10)
 
 
+@pytest.mark.slow  # compiles the whole fit of a new model: 2-4 s
+def test_a_rank_deficient_fit_names_what_the_data_do_not_determine():
+    """`y = (a + b) x`: only `a + b` is determined. The device fit computes the
+    covariance on the device when the Jacobian has full rank; here the host computes
+    it as the SciPy path does, naming the undetermined direction."""
+    x = np.linspace(0.0, 1.0, 9)
+    y = 3.0 * x + 0.01 * np.sin(7 * x)
+    residuals = lambda m, x, y: (m["a"] + m["b"]) * x - y
+    model = {"a": 1.0, "b": 0.5}
+    ours = sciflat.least_squares(residuals, model, args=(x, y), method="device")
+    lm = sciflat.least_squares(residuals, model, args=(x, y), method="lm")
+    assert ours.status == "converged", ours.message
+    assert float(ours.model["a"] + ours.model["b"]) == pytest.approx(
+        float(lm.model["a"] + lm.model["b"]), rel=1e-12
+    )
+    assert ours.uncertainty.unidentifiable == lm.uncertainty.unidentifiable
+    assert "['a']" in ours.uncertainty.unidentifiable[0]
+    assert "['b']" in ours.uncertainty.unidentifiable[0]
+    assert np.isnan(ours.uncertainty.covariance).all()
+    for fit in (ours, lm):
+        assert "(m = 9 residuals, n = 1 determined parameters)" in fit.uncertainty.scale
+
+
+@pytest.mark.slow  # one more compilation (data of another length), ~2 s
+def test_a_second_device_fit_sees_its_own_data():
+    """The data go to the device with each call: NumPy data changed in place between
+    two fits is read anew, and data of another length is another program whose
+    result has that many residuals."""
+    y = MISRA.y.copy()
+    first = _single(y, MISRA.starts[0], method="device")
+    y *= 1.1  # in place: the same array object
+    again = _single(y, MISRA.starts[0], method="device")
+    fresh = _single(MISRA.y * 1.1, MISRA.starts[0], method="device")
+    np.testing.assert_array_equal(again.p, fresh.p)
+    assert float(again.model["b1"]) == pytest.approx(1.1 * float(first.model["b1"]))
+    short = sciflat.least_squares(
+        MISRA.residuals,
+        MISRA.start(1),
+        args=(MISRA.x[:10], MISRA.y[:10]),
+        method="device",
+    )
+    reference = sciflat.least_squares(
+        MISRA.residuals, MISRA.start(1), args=(MISRA.x[:10], MISRA.y[:10]), method="lm"
+    )
+    assert short.n_data == 10 and short.raw.fun.shape == (10,)
+    assert short.raw.jac.shape == (10, 2)
+    np.testing.assert_allclose(short.p, reference.p, rtol=1e-8)
+    np.testing.assert_allclose(
+        short.uncertainty.covariance, reference.uncertainty.covariance, rtol=1e-6
+    )
+
+
 def test_the_program_computes_in_float64_only():
     model = {"b1": jnp.asarray(1.0), "b2": jnp.asarray(1.0)}
     _, re = sciflat.destructure(model, dtype=jnp.float64)
