@@ -155,8 +155,8 @@ def _lmpar(s, g, delta, par, m):
     par = jnp.minimum(jnp.maximum(par, parl), paru)
     par = jnp.where(par == 0, gnorm / dx_safe, par)
 
-    def turn(carry, it):
-        par, parl, paru, fp, a, done = carry
+    def turn(carry):
+        par, parl, paru, fp, a, done, it = carry
         par_try = jnp.where(par == 0, jnp.maximum(_DWARF, 0.001 * paru), par)
         a_try = s * g / (s * s + par_try)
         dx = jnp.linalg.norm(a_try)
@@ -180,10 +180,13 @@ def _lmpar(s, g, delta, par, m):
             keep(fp, fp_try),
             keep(a, a_try),
             done | stop,
-        ), None
+            it + 1,
+        )
 
-    init = (par, parl, paru, fp, a_gn, gauss_newton)
-    (par, _, _, _, a, _), _ = jax.lax.scan(turn, init, jnp.arange(10))
+    # At most 10 iterations, as MINPACK; a finished one is carried unchanged (under
+    # `vmap` the loop runs until every member is done).
+    init = (par, parl, paru, fp, a_gn, gauss_newton, jnp.zeros((), jnp.int32))
+    par, _, _, _, a, _, _ = jax.lax.while_loop(lambda c: ~c[5], turn, init)
     return jnp.where(gauss_newton, 0.0, par), jnp.where(gauss_newton, a_gn, a)
 
 
