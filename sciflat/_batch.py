@@ -68,7 +68,9 @@ class BatchResult(Generic[_M]):
     starts: npt.NDArray[np.float64]
     re: Restructure[_M] = dataclasses.field(repr=False)
     unidentifiable: tuple[tuple[str, ...], ...] = ()
-    scale: tuple[str, ...] = ()
+    # How the host scaled the fits whose covariance it computed (rank-deficient, or
+    # through transforms); the others' text is made when a `FitResult` is asked for.
+    scale: dict[int, str] = dataclasses.field(default_factory=dict, repr=False)
 
     def __len__(self) -> int:
         return len(self.p)
@@ -113,8 +115,11 @@ class BatchResult(Generic[_M]):
         p = jnp.asarray(self.p[i])
         unc = None
         if np.isfinite(self.loss[i]):
+            scale = self.scale.get(i) or jacobian_scale(
+                float(self.loss[i]), self.n_data, len(self.re)
+            )
             unc = Uncertainty(
-                self.covariance[i], self.re, self.scale[i], self.unidentifiable[i]
+                self.covariance[i], self.re, scale, self.unidentifiable[i]
             )
         cost = float(self.loss[i])
         return FitResult(
@@ -241,36 +246,87 @@ def least_squares_batch(
     devices = jax.devices() if (shard is None or shard) else jax.devices()[:1]
     if shard and len(devices) == 1:
         devices = jax.devices()  # one device: nothing to split
+    m = _n_residuals(residuals, re, args, data, x0s[0])
     if chunk_size is None:
-        chunk_size = _auto_chunk(residuals, re, args, data, x0s[0])
+        chunk_size = _auto_chunk(m, len(re))
     size = k if chunk_size is None else max(1, min(int(chunk_size), k))
     size = -(-size // len(devices)) * len(devices)  # a multiple of the device count
-    chunks = list(range(0, k, size))
-    bar = progress_bar(
-        enabled=progress and len(chunks) > 1, desc=_WHO, unit="fit", total=k
-    )
-    outs, how = [], ""
-    n_shared = len(split_args(args)[0])
+    bar = progress_bar(enabled=progress and k > size, desc=_WHO, unit="fit", total=k)
     try:
-        fn = None
-        for lo in chunks:
-            index = np.minimum(np.arange(lo, lo + size), k - 1)  # pad by repeating
-            part = jax.tree.map(lambda a, at=index: a[at], data)
-            placed = _place((x0s[index], part), devices)
-            if fn is None:
-                programs = Programs(_build, residuals, re, (*args, *placed[1]))
-                kind = f"batch:{n_shared}:{len(devices)}"
-                fn, used = programs.first_working(
-                    kind, choose_modes(mode, True), placed[0], opts
-                )
-                how = f"Jacobian: {used} mode; batch of {k}"
-            leaves = split_args((*args, *placed[1]))[0]
-            out = fn(placed[0], opts, leaves)
-            outs.append((index[: min(size, k - lo)], out))
-            bar.update(min(size, k - lo))
+        host, how = _run_pool(
+            residuals, re, args, data, x0s, m, opts, mode, size, devices, bar
+        )
     finally:
         bar.close()
-    return _result(outs, re, x0s, max_nfev, how, k)
+    return _result(host, re, x0s, max_nfev, f"{how}; batch of {k}")
+
+
+# Turns of the loop between two visits of the host, which takes the finished fits
+# out of their slots and starts the next fits there. A slot whose fit finished idles
+# until the visit (half of this on average), and each visit costs every slot about
+# one evaluation (the new fits' first); a visit itself is a few transfers. Once no
+# fit waits for a slot, the loop runs until every fit has finished.
+_TURNS = 8
+
+
+def _run_pool(residuals, re, args, data, x0s, m, opts, mode, size, devices, bar):
+    """Every fit through a pool of `size` slots: the compiled program runs `_TURNS`
+    turns of each slot's fit; the host then collects the fits that finished and puts
+    the next ones in their slots. Each fit's turns are those of `_lm.solve` (its state
+    never leaves the device between visits), so it equals the single fit."""
+    k, n = x0s.shape
+    n_shared = len(split_args(args)[0])
+    states: Any = _lm.empty_states(size, n, m)
+    slot = np.where(np.arange(size) < k, np.arange(size), -1)  # the fit in each slot
+    fresh = slot >= 0
+    queued = int(fresh.sum())  # fits started so far
+    host = dict(
+        x=np.zeros((k, n)),
+        cost=np.zeros(k),
+        nfev=np.zeros(k, np.int64),
+        njev=np.zeros(k, np.int64),
+        info=np.zeros(k, np.int64),
+        cov=np.zeros((k, n, n)),
+        full=np.zeros(k, bool),
+    )
+    jacs: dict[int, np.ndarray] = {}  # of the fits whose covariance the host computes
+    fn, how = None, ""
+    while (slot >= 0).any():
+        rows = np.maximum(slot, 0)  # an empty slot holds fit 0's data, unused
+        part = jax.tree.map(lambda a, at=rows: a[at], data)
+        placed = _place((states, fresh, x0s[rows], part), devices)
+        turns = np.int32(_TURNS if queued < k else np.iinfo(np.int32).max)
+        leaves = split_args((*args, *placed[3]))[0]
+        if fn is None:
+            programs = Programs(_build, residuals, re, (*args, *placed[3]))
+            kind = f"pool:{n_shared}:{len(devices)}"
+            fn, used = programs.first_working(
+                kind, choose_modes(mode, True), *placed[:3], turns, opts
+            )
+            how = f"Jacobian: {used} mode"
+        states, out = fn(*placed[:3], turns, opts, leaves)
+        got = jax.device_get({key: out[key] for key in host})
+        done = np.flatnonzero((slot >= 0) & (np.asarray(got["info"]) != 0))
+        fits = slot[done]
+        for key, value in got.items():
+            host[key][fits] = np.asarray(value)[done]
+        recompute = done[~np.asarray(got["full"])[done] | _transformed(re)]
+        if len(recompute):
+            jac = np.asarray(out["jac"])
+            jacs.update({int(slot[i]): jac[i] for i in recompute})
+        bar.update(len(done))
+        # The next fits take the freed slots; the rest of the slots stay empty.
+        n_new = min(len(done), k - queued)
+        fresh = np.zeros(size, bool)
+        fresh[done[:n_new]] = True
+        slot[done] = -1
+        slot[done[:n_new]] = np.arange(queued, queued + n_new)
+        queued += n_new
+    return dict(host, jac=jacs, m=m), how
+
+
+def _transformed(re: Restructure) -> bool:
+    return has_transforms(re(jnp.zeros(len(re))))
 
 
 # On a CPU, a chunk's loop state (its Jacobians, their QR) is kept near this size:
@@ -280,13 +336,19 @@ def least_squares_batch(
 _CPU_CHUNK_BYTES = 4 * 2**20
 
 
-def _auto_chunk(residuals, re, args, data, x0) -> int | None:
+def _auto_chunk(m: int, n: int) -> int | None:
     if jax.default_backend() != "cpu":
         return None
+    return max(64, _CPU_CHUNK_BYTES // (8 * max(m, 1) * (n + 1)))
+
+
+def _n_residuals(residuals, re, args, data, x0) -> int:
+    """The number of residuals of one fit (its first), checked against `n`."""
     leaves, rebuild = split_args((*args, *jax.tree.map(lambda a: a[0], data)))
     r = dls.residual_fn(residuals, re, rebuild)
     m = jax.eval_shape(r, jnp.asarray(x0), leaves).shape[0]
-    return max(64, _CPU_CHUNK_BYTES // (8 * max(m, 1) * (len(re) + 1)))
+    dls.check_shape(m, len(re), _WHO)
+    return m
 
 
 def _place(tree, devices):
@@ -299,73 +361,74 @@ def _place(tree, devices):
 
 
 def _build(kind, residuals, re, rebuild, mode: str) -> Callable:
-    """`(x0s, options, leaves) -> per-fit outputs`: `vmap` of the device fit, over
-    the starts and the batched leaves (those after the first `n_shared`)."""
+    """`(states, fresh, x0s, turns, options, leaves) -> (states, outputs)`: `vmap`
+    over the slots of a pool (and the batched leaves, those after the first
+    `n_shared`) of up to `turns` turns of each slot's fit, a `fresh` slot first
+    starting from its `x0`."""
     n_shared, n_devices = map(int, kind.split(":")[1:])
     r = dls.residual_fn(residuals, re, rebuild)
 
-    def one(x0, opts, shared, batched):
+    def one(state, fresh, x0, turns, opts, shared, batched):
         leaves = [*shared, *batched]
-        m = jax.eval_shape(r, x0, leaves).shape[0]
-        dls.check_shape(m, x0.shape[0], _WHO)
         both = dls.with_jacobian(lambda x: r(x, leaves), mode)
-        state = _lm.solve(both, x0, opts)
-        return dls.outputs(state)
+        start = _lm.initial_state(both, x0, opts, 1)
+        state = jax.tree.map(lambda a, b: jnp.where(fresh, a, b), start, state)
+        state = _lm.advance(both, state, opts, turns)
+        return state, dls.outputs(state)
 
-    def many(x0s, opts, shared, batched):
-        return jax.vmap(one, in_axes=(0, None, None, 0))(x0s, opts, shared, batched)
+    def many(states, fresh, x0s, turns, opts, shared, batched):
+        over = (0, 0, 0, None, None, None, 0)
+        return jax.vmap(one, in_axes=over)(
+            states, fresh, x0s, turns, opts, shared, batched
+        )
 
-    def fit(x0s, opts, leaves):
+    def fit(states, fresh, x0s, turns, opts, leaves):
         shared, batched = leaves[:n_shared], leaves[n_shared:]
         if n_devices == 1:
-            return many(x0s, opts, shared, batched)
+            return many(states, fresh, x0s, turns, opts, shared, batched)
         mesh = jax.sharding.Mesh(np.array(jax.devices()[:n_devices]), ("batch",))
         spec, rep = jax.sharding.PartitionSpec("batch"), jax.sharding.PartitionSpec()
-        # Each device runs its own loop over its own fits: it stops when they are done.
+        # Each device runs its own loop over its own slots.
         return jax.shard_map(
             many,
             mesh=mesh,
-            in_specs=(spec, rep, rep, spec),
+            in_specs=(spec, spec, spec, rep, rep, rep, spec),
             out_specs=spec,
             check_vma=False,
-        )(x0s, opts, shared, batched)
+        )(states, fresh, x0s, turns, opts, shared, batched)
 
     return fit
 
 
-def _result(outs, re, x0s, max_nfev: int, how: str, k: int) -> BatchResult:
-    host = {key: [] for key in ("x", "cost", "nfev", "njev", "info", "cov", "full")}
-    jacs: list = []
-    for index, out in outs:
-        got = jax.device_get({key: out[key] for key in host})
-        for key in host:
-            host[key].append(np.asarray(got[key])[: len(index)])
-        jacs.append(out["jac"])
-    h = {key: np.concatenate(v) for key, v in host.items()}
-    n = len(re)
-    m = int(jacs[0].shape[1])
+def _result(h: dict, re, x0s, max_nfev: int, how: str) -> BatchResult:
+    """The `BatchResult` from the host's arrays of every fit (`_run_pool`)."""
+    k = len(x0s)
+    m = h["m"]
     started = h["info"] != _lm.NONFINITE_START
     p = np.where(started[:, None], h["x"], x0s)
     loss = np.where(started, h["cost"], np.nan)
     cov = np.where(started[:, None, None], h["cov"], np.nan)
-    scales = [jacobian_scale(c, m, n) for c in loss]
+    scales: dict[int, str] = {}
     dropped: list[tuple[str, ...]] = [()] * k
-    transforms = has_transforms(re(jnp.asarray(p[0])))
-    size = len(outs[0][0]) if outs else k
+    transforms = _transformed(re)
     # Rank-deficient fits (and fits through transforms) go through `from_jacobian`,
     # which names the undetermined directions, and the delta method.
     for i in np.flatnonzero(started & (~h["full"] | transforms)):
-        jac = np.asarray(jacs[i // size][i % size])
         x = p[i]
         unc = dls.uncertainty(
-            cov[i], False, jac, float(loss[i]), re, x, re(jnp.asarray(x)), transforms
+            cov[i], False, h["jac"][i], float(loss[i]), re, x, re(jnp.asarray(x)), True
         )
-        cov[i], scales[i], dropped[i] = unc.covariance, unc.scale, unc.unidentifiable
-    status, message = [], []
-    for info in h["info"]:
-        s, text = dls.status_and_message(int(info), max_nfev)
-        status.append(s)
-        message.append(f"{text} (method: device; {how})")
+        cov[i], scales[int(i)], dropped[i] = (
+            unc.covariance,
+            unc.scale,
+            unc.unidentifiable,
+        )
+    # One status and message per `info` code (a batch has a few), shared by its fits.
+    codes, which = np.unique(h["info"], return_inverse=True)
+    words = [dls.status_and_message(int(c), max_nfev) for c in codes]
+    texts = [f"{text} (method: device; {how})" for _, text in words]
+    status = tuple(words[j][0] for j in which)
+    message = tuple(texts[j] for j in which)
     with np.errstate(invalid="ignore"):
         stderr = np.sqrt(np.diagonal(cov, axis1=1, axis2=2))
     return BatchResult(
@@ -373,15 +436,15 @@ def _result(outs, re, x0s, max_nfev: int, how: str, k: int) -> BatchResult:
         stderr_flat=stderr,
         covariance=cov,
         loss=loss,
-        status=tuple(status),
-        message=tuple(message),
+        status=status,
+        message=message,
         n_evaluations=h["nfev"].astype(np.int64),
         n_steps=h["njev"].astype(np.int64),
         n_data=m,
         starts=x0s,
         re=re,
         unidentifiable=tuple(dropped),
-        scale=tuple(scales),
+        scale=scales,
     )
 
 

@@ -316,3 +316,39 @@ def solve(f_and_jac: Callable, x0, options: Options, history: int = 1) -> State:
     return jax.lax.while_loop(
         lambda st: st.info == 0, lambda st: trial(f_and_jac, st, options), state
     )
+
+
+def advance(f_and_jac: Callable, state: State, options: Options, turns) -> State:
+    """At most `turns` more trials of a running fit: `solve` in pieces (a finished
+    fit is returned unchanged), for a batch whose host starts new fits in the slots
+    of finished ones. Traceable and `vmap`-able."""
+
+    def body(carry):
+        st, i = carry
+        return trial(f_and_jac, st, options), i + 1
+
+    return jax.lax.while_loop(
+        lambda c: (c[0].info == 0) & (c[1] < turns), body, (state, 0)
+    )[0]
+
+
+def empty_states(k: int, n: int, m: int) -> State:
+    """`k` slots holding no fit (zeros), each marked finished (`info` is
+    `NONFINITE_START`), so that a loop carries them unchanged."""
+    f64 = lambda *shape: jnp.zeros((k, *shape), jnp.float64)
+    i32 = lambda: jnp.zeros(k, jnp.int32)
+    return State(
+        x=f64(n),
+        f=f64(m),
+        jac=f64(m, n),
+        fnorm=f64(),
+        diag=f64(n),
+        delta=f64(),
+        par=f64(),
+        xnorm=f64(),
+        gnorm=f64(),
+        nfev=i32(),
+        njev=i32(),
+        info=i32() + NONFINITE_START,
+        history=f64(1),
+    )

@@ -361,6 +361,10 @@ def test_chunks_and_transforms_equal_the_whole_batch(batch, replicates):
         progress=False,
     )
     assert chunked.status == batch.status
+    # Five slots for twelve fits, each slot taking the next fit when its own ends,
+    # fits running across several visits of the host: every fit as in the batch.
+    assert chunked.n_evaluations.max() > 2 * sciflat._batch._TURNS
+    np.testing.assert_array_equal(chunked.n_evaluations, batch.n_evaluations)
     np.testing.assert_allclose(chunked.p, batch.p, rtol=1e-10)
     np.testing.assert_allclose(chunked.stderr_flat, batch.stderr_flat, rtol=1e-10)
     # A transform: standard errors of the constrained value, as the SciPy path's.
