@@ -1,9 +1,10 @@
 """Many least-squares fits of one structure as one compiled program.
 
 K starts, K datasets stacked along a leading axis, or both: `jax.vmap` of the device
-fit (`_lm.solve`), each fit stopping on its own, the batch axis sharded over every
-device of JAX's (`jax.shard_map`: each device stops when its own fits are done).
-Memory is K · m · n (the Jacobians), never K².
+fit (`_lm`) over a pool of slots, each fit stopping on its own and its slot taking the
+next fit at the host's next visit; the slots sharded over every device of JAX's
+(`jax.shard_map`: each device runs its own loop). Memory is K · m · n (the
+Jacobians), never K².
 """
 
 import dataclasses
@@ -187,12 +188,13 @@ def least_squares_batch(
     """K least-squares fits of one structure as one compiled program.
 
     Each fit is the device fit of [`sciflat.least_squares`][] (`method="device"`:
-    MINPACK's Levenberg–Marquardt, its scaling and stopping rules), and all K run
-    together under `jax.vmap`, each stopping on its own: a fit that has finished is
-    carried unchanged while the others go on, so fit `i` of a batch equals the single
-    fit of its start and data. The fits differ in their start (`starts`), their data
-    (`batch_args`, stacked along a leading axis), or both; `args` is shared. On
-    several devices the batch axis is sharded over all of them.
+    MINPACK's Levenberg–Marquardt, its scaling and stopping rules), and the K fits
+    run together under `jax.vmap` in a pool of slots, each stopping on its own (its
+    slot then takes the next fit), with exactly the turns of its single fit: fit `i`
+    of a batch equals the single fit of its start and data. The fits differ in their
+    start (`starts`), their data (`batch_args`, stacked along a leading axis), or
+    both; `args` is shared. On several devices the slots are sharded over all of
+    them.
 
     !!! Example
 
@@ -222,10 +224,11 @@ def least_squares_batch(
     - `mode`: the Jacobian's mode, as in `least_squares`.
     - `filter_spec`: as in `least_squares`.
     - `shard`: split the batch over `jax.devices()` (default: when there are several).
-    - `chunk_size`: at most this many fits per program (one compilation; the last
-        chunk is padded), with a progress bar over the chunks. Default: all at once
-        on an accelerator; on a CPU, chunks of about 4 MB of Jacobians (722 fits of
-        121 residuals and 5 parameters), which keeps each turn in cache.
+    - `chunk_size`: the number of slots that run at once (one compilation for any
+        K): each slot takes the next fit when its own has finished, so a slow fit
+        holds only its slot. Default: all at once on an accelerator; on a CPU, about
+        4 MB of Jacobians (722 slots for 121 residuals and 5 parameters), which keeps
+        each turn in cache. A progress bar counts the finished fits when K is larger.
     - `progress`: show that bar.
     - `**kwargs`: `ftol`, `xtol`, `gtol`, `max_nfev`, `x_scale`, as in
         `least_squares`.
@@ -254,11 +257,23 @@ def least_squares_batch(
     bar = progress_bar(enabled=progress and k > size, desc=_WHO, unit="fit", total=k)
     try:
         host, how = _run_pool(
-            residuals, re, args, data, x0s, m, opts, mode, size, devices, bar
+            residuals,
+            re,
+            args,
+            data,
+            x0s,
+            m,
+            has_transforms(model),
+            opts,
+            mode,
+            size,
+            devices,
+            bar,
         )
     finally:
         bar.close()
-    return _result(host, re, x0s, max_nfev, f"{how}; batch of {k}")
+    how = f"{how}; batch of {k}"
+    return _result(host, re, x0s, max_nfev, how, has_transforms(model))
 
 
 # Turns of the loop between two visits of the host, which takes the finished fits
@@ -269,7 +284,9 @@ def least_squares_batch(
 _TURNS = 8
 
 
-def _run_pool(residuals, re, args, data, x0s, m, opts, mode, size, devices, bar):
+def _run_pool(
+    residuals, re, args, data, x0s, m, transforms, opts, mode, size, devices, bar
+):
     """Every fit through a pool of `size` slots: the compiled program runs `_TURNS`
     turns of each slot's fit; the host then collects the fits that finished and puts
     the next ones in their slots. Each fit's turns are those of `_lm.solve` (its state
@@ -296,9 +313,11 @@ def _run_pool(residuals, re, args, data, x0s, m, opts, mode, size, devices, bar)
         part = jax.tree.map(lambda a, at=rows: a[at], data)
         placed = _place((states, fresh, x0s[rows], part), devices)
         turns = np.int32(_TURNS if queued < k else np.iinfo(np.int32).max)
-        leaves = split_args((*args, *placed[3]))[0]
+        leaves = split_args((*args, *placed[3]), to_device=False)[0]
         if fn is None:
-            programs = Programs(_build, residuals, re, (*args, *placed[3]))
+            programs = Programs(
+                _build, residuals, re, (*args, *placed[3]), to_device=False
+            )
             kind = f"pool:{n_shared}:{len(devices)}"
             fn, used = programs.first_working(
                 kind, choose_modes(mode, True), *placed[:3], turns, opts
@@ -310,7 +329,7 @@ def _run_pool(residuals, re, args, data, x0s, m, opts, mode, size, devices, bar)
         fits = slot[done]
         for key, value in got.items():
             host[key][fits] = np.asarray(value)[done]
-        recompute = done[~np.asarray(got["full"])[done] | _transformed(re)]
+        recompute = done[~np.asarray(got["full"])[done] | transforms]
         if len(recompute):
             jac = np.asarray(out["jac"])
             jacs.update({int(slot[i]): jac[i] for i in recompute})
@@ -323,10 +342,6 @@ def _run_pool(residuals, re, args, data, x0s, m, opts, mode, size, devices, bar)
         slot[done[:n_new]] = np.arange(queued, queued + n_new)
         queued += n_new
     return dict(host, jac=jacs, m=m), how
-
-
-def _transformed(re: Restructure) -> bool:
-    return has_transforms(re(jnp.zeros(len(re))))
 
 
 # On a CPU, a chunk's loop state (its Jacobians, their QR) is kept near this size:
@@ -343,18 +358,25 @@ def _auto_chunk(m: int, n: int) -> int | None:
 
 
 def _n_residuals(residuals, re, args, data, x0) -> int:
-    """The number of residuals of one fit (its first), checked against `n`."""
-    leaves, rebuild = split_args((*args, *jax.tree.map(lambda a: a[0], data)))
-    r = dls.residual_fn(residuals, re, rebuild)
-    m = jax.eval_shape(r, jnp.asarray(x0), leaves).shape[0]
+    """The number of residuals of one fit (its first), checked against `n`: traced
+    once per signature, as the fits' programs are (`Programs`)."""
+    first = (*args, *jax.tree.map(lambda a: a[0], data))
+    programs = Programs(_residuals, residuals, re, first, to_device=False)
+    programs.get("residuals", "none", x0)
+    m = programs.out_info["residuals"].shape[0]
     dls.check_shape(m, len(re), _WHO)
     return m
 
 
+def _residuals(kind, residuals, re, rebuild, mode: str) -> Callable:
+    return dls.residual_fn(residuals, re, rebuild)
+
+
 def _place(tree, devices):
-    """The batch axis split over `devices` (one device: left where it is)."""
+    """The batch axis split over `devices` (one device: left where it is; `jax.jit`
+    copies NumPy arrays at the call)."""
     if len(devices) == 1:
-        return jax.tree.map(jnp.asarray, tree)
+        return tree
     mesh = jax.sharding.Mesh(np.array(devices), ("batch",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("batch"))
     return jax.tree.map(lambda a: jax.device_put(a, sharding), tree)
@@ -400,7 +422,7 @@ def _build(kind, residuals, re, rebuild, mode: str) -> Callable:
     return fit
 
 
-def _result(h: dict, re, x0s, max_nfev: int, how: str) -> BatchResult:
+def _result(h: dict, re, x0s, max_nfev: int, how: str, transforms: bool) -> BatchResult:
     """The `BatchResult` from the host's arrays of every fit (`_run_pool`)."""
     k = len(x0s)
     m = h["m"]
@@ -410,7 +432,6 @@ def _result(h: dict, re, x0s, max_nfev: int, how: str) -> BatchResult:
     cov = np.where(started[:, None, None], h["cov"], np.nan)
     scales: dict[int, str] = {}
     dropped: list[tuple[str, ...]] = [()] * k
-    transforms = _transformed(re)
     # Rank-deficient fits (and fits through transforms) go through `from_jacobian`,
     # which names the undetermined directions, and the delta method.
     for i in np.flatnonzero(started & (~h["full"] | transforms)):

@@ -19,7 +19,7 @@ for a step that increased the sum of squares; it never stops the fit.
 """
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -333,10 +333,11 @@ def advance(f_and_jac: Callable, state: State, options: Options, turns) -> State
 
 
 def empty_states(k: int, n: int, m: int) -> State:
-    """`k` slots holding no fit (zeros), each marked finished (`info` is
-    `NONFINITE_START`), so that a loop carries them unchanged."""
-    f64 = lambda *shape: jnp.zeros((k, *shape), jnp.float64)
-    i32 = lambda: jnp.zeros(k, jnp.int32)
+    """`k` slots holding no fit (zeros, NumPy: `jax.jit` copies them at the call),
+    each marked finished (`info` is `NONFINITE_START`), so that a loop carries them
+    unchanged."""
+    f64 = lambda *shape: cast(jax.Array, np.zeros((k, *shape)))
+    i32 = lambda: cast(jax.Array, np.zeros(k, np.int32))
     return State(
         x=f64(n),
         f=f64(m),
