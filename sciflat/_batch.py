@@ -254,26 +254,14 @@ def least_squares_batch(
         chunk_size = _auto_chunk(m, len(re))
     size = k if chunk_size is None else max(1, min(int(chunk_size), k))
     size = -(-size // len(devices)) * len(devices)  # a multiple of the device count
+    transforms = has_transforms(model)
+    fits = (residuals, re, args, data, x0s, m, transforms)
     bar = progress_bar(enabled=progress and k > size, desc=_WHO, unit="fit", total=k)
     try:
-        host, how = _run_pool(
-            residuals,
-            re,
-            args,
-            data,
-            x0s,
-            m,
-            has_transforms(model),
-            opts,
-            mode,
-            size,
-            devices,
-            bar,
-        )
+        host, how = _run_pool(fits, opts, mode, size, devices, bar)
     finally:
         bar.close()
-    how = f"{how}; batch of {k}"
-    return _result(host, re, x0s, max_nfev, how, has_transforms(model))
+    return _result(host, re, x0s, max_nfev, f"{how}; batch of {k}", transforms)
 
 
 # Turns of the loop between two visits of the host, which takes the finished fits
@@ -284,13 +272,12 @@ def least_squares_batch(
 _TURNS = 8
 
 
-def _run_pool(
-    residuals, re, args, data, x0s, m, transforms, opts, mode, size, devices, bar
-):
+def _run_pool(fits: tuple, opts, mode, size: int, devices, bar) -> tuple[dict, str]:
     """Every fit through a pool of `size` slots: the compiled program runs `_TURNS`
     turns of each slot's fit; the host then collects the fits that finished and puts
     the next ones in their slots. Each fit's turns are those of `_lm.solve` (its state
     never leaves the device between visits), so it equals the single fit."""
+    residuals, re, args, data, x0s, m, transforms = fits
     k, n = x0s.shape
     n_shared = len(split_args(args)[0])
     states: Any = _lm.empty_states(size, n, m)
@@ -326,9 +313,9 @@ def _run_pool(
         states, out = fn(*placed[:3], turns, opts, leaves)
         got = jax.device_get({key: out[key] for key in host})
         done = np.flatnonzero((slot >= 0) & (np.asarray(got["info"]) != 0))
-        fits = slot[done]
+        finished = slot[done]
         for key, value in got.items():
-            host[key][fits] = np.asarray(value)[done]
+            host[key][finished] = np.asarray(value)[done]
         recompute = done[~np.asarray(got["full"])[done] | transforms]
         if len(recompute):
             jac = np.asarray(out["jac"])
