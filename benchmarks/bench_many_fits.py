@@ -218,7 +218,7 @@ def many(cases: list[str], ks: list[int], loop: int, repeats: int, chunk) -> Non
         make = misra_case if name == "misra" else spot_case
         rng = np.random.default_rng(0)
         loop_case = make(loop, rng)
-        per = loop_per_fit(loop_case, loop, 1)
+        per = loop_per_fit(loop_case, loop, repeats)  # medians of `repeats` loops
         print(
             f"\n### {name}: loop of {loop} fits, per fit: lmfit {1e3 * per['lmfit']:.3f} ms, "
             f"SciPy path {1e3 * per['scipy']:.3f} ms (extrapolated to K below); "
