@@ -423,9 +423,8 @@ def _result(h: dict, re, x0s, max_nfev: int, how: str, transforms: bool) -> Batc
     # which names the undetermined directions, and the delta method.
     for i in np.flatnonzero(started & (~h["full"] | transforms)):
         x = p[i]
-        unc = dls.uncertainty(
-            cov[i], False, h["jac"][i], float(loss[i]), re, x, re(jnp.asarray(x)), True
-        )
+        model = re(jnp.asarray(x))
+        unc = dls.uncertainty(cov[i], False, h["jac"][i], float(loss[i]), re, x, model)
         cov[i], scales[int(i)], dropped[i] = (
             unc.covariance,
             unc.scale,

@@ -155,13 +155,11 @@ def outputs(state: _lm.State) -> dict:
     )
 
 
-def uncertainty(
-    cov, full: bool, jac, cost: float, re, x, model, transforms: bool
-) -> Uncertainty:
+def uncertainty(cov, on_device: bool, jac, cost: float, re, x, model) -> Uncertainty:
     """The `Uncertainty` of a finished device fit (NumPy `cov`, `jac`): the device's
-    covariance where the Jacobian has full rank, else `from_jacobian`; for the
-    constrained values through transforms."""
-    if full and not transforms:
+    covariance when `on_device` (a Jacobian of full rank, no transforms), else
+    `from_jacobian`'s, for the constrained values through transforms."""
+    if on_device:
         m, n = np.shape(jac)
         return Uncertainty(cov, re, jacobian_scale(cost, m, n))
     unc = from_jacobian(jac, cost, re)
@@ -242,10 +240,8 @@ def fit_result(out: dict, re, n_history: int, max_nfev: int, how: str) -> FitRes
     cost = float(host["cost"]) if ok else np.nan
     unc = None
     if ok:
-        transforms = has_transforms(model)
-        unc = uncertainty(
-            host["cov"], bool(host["full"]), host["jac"], cost, re, x, model, transforms
-        )
+        on_device = bool(host["full"]) and not has_transforms(model)
+        unc = uncertainty(host["cov"], on_device, host["jac"], cost, re, x, model)
     njev = int(host["njev"])
     history = np.asarray(host["history"])[: min(njev, len(host["history"]))]
     jac, f = np.asarray(host["jac"]), np.asarray(host["f"])

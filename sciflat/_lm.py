@@ -313,15 +313,13 @@ def solve(f_and_jac: Callable, x0, options: Options, history: int = 1) -> State:
     """The whole fit from `x0`: the final `State` (`info` > 0, or the start's
     `NONFINITE_START`). Traceable and `vmap`-able."""
     state = initial_state(f_and_jac, x0, options, history)
-    return jax.lax.while_loop(
-        lambda st: st.info == 0, lambda st: trial(f_and_jac, st, options), state
-    )
+    return advance(f_and_jac, state, options, np.iinfo(np.int32).max)
 
 
 def advance(f_and_jac: Callable, state: State, options: Options, turns) -> State:
-    """At most `turns` more trials of a running fit: `solve` in pieces (a finished
-    fit is returned unchanged), for a batch whose host starts new fits in the slots
-    of finished ones. Traceable and `vmap`-able."""
+    """At most `turns` more trials of a running fit (a finished fit is returned
+    unchanged): the loop of `solve`, also run in pieces by a batch whose host starts
+    new fits in the slots of finished ones. Traceable and `vmap`-able."""
 
     def body(carry):
         st, i = carry

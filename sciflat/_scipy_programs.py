@@ -66,8 +66,9 @@ class Programs:
     def get(self, kind: str, mode: str, *example, where: Hashable = None) -> Any:
         """The jitted `kind` function, traced at `example` (its arguments but the
         data), so that an error in the trace is raised here. A signature traced
-        before (`where`: shapes, dtypes, placement) is not traced again: its output
-        shapes are known, and `jax.jit` reuses that trace for the call."""
+        before (`where`: shapes, dtypes, placement) is not traced again: only its
+        output shapes are kept; the call itself goes through `jax.jit`, which keys
+        it (on JAX's configuration too) and retraces where it would."""
         key = (kind, mode, *self._key)
         entry = _CACHE.get(key)
         if entry is None:
