@@ -2,6 +2,7 @@
 
 import contextlib
 import importlib.util
+import json
 import pathlib
 from typing import Any
 
@@ -200,9 +201,10 @@ def foreign_float_ops(jaxpr, dtype) -> list[str]:
 #
 
 
-def run_on_host_devices(code: str, n_devices: int = 2) -> None:
-    """Runs `code` in a fresh interpreter that sees `n_devices` CPU devices (the count
-    is fixed when JAX starts, hence the subprocess); it must print "ok"."""
+def _on_host_devices(code: str, args, n_devices: int, timeout: int):
+    """`python -c code *args` in a fresh interpreter that sees `n_devices` CPU devices
+    (the count is fixed when JAX starts, hence the subprocess), from the repository
+    root; it must succeed."""
     import os
     import subprocess
     import sys
@@ -210,13 +212,30 @@ def run_on_host_devices(code: str, n_devices: int = 2) -> None:
     flags = f"--xla_force_host_platform_device_count={n_devices}"
     env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
     out = subprocess.run(
-        [sys.executable, "-c", code],
+        [sys.executable, "-c", code, *map(str, args)],
         env=env,
+        cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
     )
-    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def run_on_host_devices(code: str, n_devices: int = 2) -> None:
+    """Runs `code` on `n_devices` CPU devices (`_on_host_devices`); it must print
+    "ok"."""
+    out = _on_host_devices(code, (), n_devices, timeout=120)
+    assert "ok" in out.stdout, out.stderr[-2000:]
+
+
+def json_on_host_devices(
+    code: str, *args, n_devices: int = 4, timeout: int = 600
+) -> Any:
+    """Runs `code` on `n_devices` CPU devices; the JSON its last line prints."""
+    out = _on_host_devices(code, args, n_devices, timeout)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 #

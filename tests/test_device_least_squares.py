@@ -8,11 +8,7 @@ the slow tier and the fast tier keeps the refusals and the algorithm's pieces.
 """
 
 import importlib.util
-import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +16,7 @@ import numpy as np
 import pytest
 
 import sciflat
-from helpers import float_dtypes_in_jaxpr
+from helpers import float_dtypes_in_jaxpr, json_on_host_devices
 from sciflat import _device_least_squares as dls, _lm
 
 
@@ -413,18 +409,7 @@ print(json.dumps({"devices": jax.device_count(), "status": [a.status, b.status],
 
 @pytest.mark.slow  # a fresh interpreter with 4 CPU devices, two compilations
 def test_sharded_over_four_devices_equals_unsharded():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run(
-        [sys.executable, "-c", _SHARDED],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = json_on_host_devices(_SHARDED)
     assert out["devices"] == 4
     assert out["status"][0] == out["status"][1] and out["status"][0][3] == "nonfinite"
     # 10 fits over 4 devices: padded to 12, the padding dropped.

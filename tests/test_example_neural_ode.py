@@ -1,10 +1,6 @@
 """The neural ODE example at tiny size: it learns, plots, shards, stays in p.dtype."""
 
-import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +8,7 @@ import numpy as np
 import pytest
 
 import sciflat
-from helpers import ROOT, load_example as load
+from helpers import ROOT, json_on_host_devices, load_example as load
 
 
 NODE_TINY = dict(
@@ -58,18 +54,7 @@ print(json.dumps({{"devices": jax.device_count(), "shards": shards,
 @pytest.fixture(scope="module")
 def node_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("neural_ode")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run(
-        [sys.executable, "-c", _NODE_CHILD, str(out)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return json_on_host_devices(_NODE_CHILD, out, timeout=300)
 
 
 def test_neural_ode_learns_and_plots(node_runs):
