@@ -308,6 +308,11 @@ def quasi_newton(
     p = as_flat_vector(p, np.shape(p)[0], "`quasi_newton`")
     if state is None:
         hessian_inv, scaled = jnp.eye(p.size, dtype=p.dtype), jnp.array(False)
+        if getattr(p, "committed", False):
+            # Placed, and committed, as `p` is: `jax.jit` keys on that, and a resumed
+            # run (whose state and `p` are this run's outputs, committed where `p`
+            # is) then reuses this run's compilation instead of compiling anew.
+            hessian_inv, scaled = jax.device_put((hessian_inv, scaled), p.sharding)
     else:
         hessian_inv, scaled = state.hessian_inv, state.scaled
         if hessian_inv.shape != (p.size, p.size) or hessian_inv.dtype != p.dtype:
