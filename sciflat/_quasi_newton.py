@@ -308,7 +308,7 @@ def quasi_newton(
     p = as_flat_vector(p, np.shape(p)[0], "`quasi_newton`")
     if state is None:
         hessian_inv, scaled = jnp.eye(p.size, dtype=p.dtype), jnp.array(False)
-        if getattr(p, "committed", False):
+        if getattr(p, "committed", False) and p.sharding.is_fully_replicated:
             # Placed, and committed, as `p` is: `jax.jit` keys on that, and a resumed
             # run (whose state and `p` are this run's outputs, committed where `p`
             # is) then reuses this run's compilation instead of compiling anew.
