@@ -26,7 +26,9 @@ from ._fit_step import (
 )
 from ._flatten import Restructure, destructure
 from ._floats import float_dtype, promote_floats
-from ._problem import check_args, check_start
+from ._problem import check_args, check_start, split_args
+from ._scipy_fn_key import Same, identity_key
+from ._scipy_programs import shared, structure_key
 from ._sharding import place
 from ._transforms import unwrapping
 
@@ -87,7 +89,9 @@ def prepare(
     if carry.state.best_loss is None:
         no_loss_yet = jnp.asarray(jnp.inf, loss_out.dtype)
         carry.state = carry.state._replace(best_loss=no_loss_yet)
-    step = make_step(loss, re, optimizer, static_args, reuses_value(opt_state))
+    reuse = reuses_value(opt_state)
+    key = ("fit:step", *_step_key(loss, re, optimizer, args), reuse)
+    step = shared(key, lambda: make_step(loss, re, optimizer, static_args, reuse))
     if batch_iter is None:
         feed = itertools.repeat(None)
     else:
@@ -116,8 +120,21 @@ def prepare_starts(prep: Prepared, optimizer, x0s) -> tuple[Callable, State]:
     best_loss = jnp.full(len(ps), jnp.inf, prep.state.best_loss.dtype)
     state = State(ps, opt_states, copy(), best_loss, copy())
     reuse = reuses_value(prep.state.opt_state)
-    step = make_vmapped_step(prep.loss, prep.re, optimizer, prep.static_args, reuse)
+    loss, re, static = prep.loss, prep.re, prep.static_args
+    args = eqx.combine(prep.dynamic_args, static)
+    key = ("fit:starts", *_step_key(loss, re, optimizer, args), reuse)
+    step = shared(key, lambda: make_vmapped_step(loss, re, optimizer, static, reuse))
     return step, state
+
+
+def _step_key(loss, re, optimizer, args) -> tuple:
+    """What the compiled step depends on besides the traced arrays, keyed as
+    `jax.jit` keys a function: the loss and the optimiser by identity (a new
+    `optax.adam(...)` is a new optimiser), `re` and the static part of `args` by
+    structure. So a second `fit` of the same loss with the same optimiser object
+    (chunks of one training, a resumed fit) reuses the compilation."""
+    rebuild = split_args(tuple(args), to_device=False)[1]
+    return identity_key(loss), Same(optimizer), structure_key(re), rebuild
 
 
 def _validate(

@@ -57,10 +57,7 @@ class Programs:
     ):
         self.leaves, rebuild = split_args(args, to_device)
         self._parts = (build, loss, re, rebuild)
-        # `re` compares its frozen arrays by identity: sound for JAX arrays, which
-        # cannot change, not for a NumPy one, which can change in place between fits.
-        mutable = any(isinstance(x, np.ndarray) for x in jax.tree.leaves(re))
-        self._key = (build, identity_key(loss), Same(re) if mutable else re, rebuild)
+        self._key = (build, identity_key(loss), structure_key(re), rebuild)
         self.out_info: dict[str, Any] = {}  # of each kind got, as traced
 
     def get(self, kind: str, mode: str, *example, where: Hashable = None) -> Any:
@@ -107,6 +104,25 @@ class Programs:
         raise errors[-1]
 
 
+def structure_key(re: Restructure) -> Hashable:
+    """`re` as a key: by structure, comparing its frozen arrays by identity (sound for
+    JAX arrays, which cannot change; a NumPy one can change in place between fits,
+    so an `re` holding one is equal only to itself)."""
+    mutable = any(isinstance(x, np.ndarray) for x in jax.tree.leaves(re))
+    return Same(re) if mutable else re
+
+
+def shared(key: Hashable, make: Callable[[], Any]) -> Any:
+    """What the cache keeps under `key`, made by `make()` where it keeps nothing: for
+    `fit`, whose step is one `jax.jit` per (loss, optimiser, `re`, static `args`),
+    keyed as `Programs` keys the SciPy fits' functions."""
+    value = _CACHE.get(key)
+    if value is None:
+        value = make()
+    _remember(key, value)
+    return value
+
+
 def _remember(key, value) -> None:
     _CACHE[key] = value
     _CACHE.move_to_end(key)
@@ -117,9 +133,10 @@ def _remember(key, value) -> None:
 def clear_caches() -> None:
     """Forget every compiled function and flattened start model sciflat keeps.
 
-    sciflat keeps the jitted functions of recent SciPy fits (reused by a later fit of
-    the same loss object, `Restructure` and data structure, exactly where `jax.jit`
-    would reuse them) and the `Restructure` of recent start models. Call this to free
+    sciflat keeps the jitted functions of recent fits (reused by a later fit of the
+    same loss object, `Restructure` and data structure, and for `fit` the same
+    optimiser object, exactly where `jax.jit` would reuse them) and the
+    `Restructure` of recent start models. Call this to free
     their memory, or to time a first fit again; nothing else changes, since a hit
     never returns a stale result. (`jax.clear_caches()` clears JAX's own.)
 

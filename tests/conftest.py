@@ -8,8 +8,8 @@ import pytest
 
 # JAX's persistent compilation cache, fresh for each run of the suite and shared by its
 # processes (the pytest-xdist workers, the docs runner, the examples' children: they
-# inherit the variable): a program compiled again by a later test -- every `fit` and
-# every resumed fit compiles its step anew -- is read back instead of built. JAX keys
+# inherit the variable): a program compiled again by a later test -- a `fit` with a new
+# optimiser object compiles its step anew -- is read back instead of built. JAX keys
 # each entry by the whole compiled program, its options and the backend, so a hit is
 # the program XLA would build. A developer's own cache directory is left as it is.
 _OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ

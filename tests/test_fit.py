@@ -138,23 +138,44 @@ def test_compiled_once(adam_runs, lbfgs_runs):
         assert traces["full"] == traces["rest"]
 
 
-def test_one_compilation_per_fit_also_when_resuming(tmp_path, caplog):
-    # Compiling again for other input shardings would not show in a trace count.
+def test_a_fit_resumed_with_the_same_loss_and_optimizer_compiles_nothing(
+    tmp_path, caplog
+):
+    # The step is one `jax.jit` per (loss, optimiser, structure, static args), the
+    # loss and the optimiser by identity: the resumed fit (also the committed arrays
+    # of a checkpoint: other input shardings would not show in a trace count) runs the
+    # first fit's compilation; a new optimiser object is a new step, as a new
+    # function is under `jax.jit`.
     path = tmp_path / "ckpt.npz"
     kwargs = dict(steps=6, args=xy(), progress=False, checkpoint=path)
+    adam = optax.adam(0.05)
+    compiled = lambda: sum(
+        r.getMessage().startswith("Compiling jit(step)") for r in caplog.records
+    )
     with jax.log_compiles(True), caplog.at_level("WARNING"):
-        sciflat.fit(loss, linear(), ADAM, callback=interrupt_at(3), **kwargs)
-        first = sum(
-            r.getMessage().startswith("Compiling jit(step)") for r in caplog.records
+        sciflat.fit(loss, linear(), adam, callback=interrupt_at(3), **kwargs)
+        first = compiled()
+        resumed = sciflat.fit(loss, linear(), adam, resume=True, **kwargs)
+        second = compiled() - first
+        whole = sciflat.fit(
+            loss, linear(), optax.adam(0.05), steps=6, args=xy(), progress=False
         )
-        sciflat.fit(loss, linear(), ADAM, resume=True, **kwargs)
-        second = (
-            sum(
-                r.getMessage().startswith("Compiling jit(step)") for r in caplog.records
-            )
-            - first
-        )
-    assert first == second == 1
+        third = compiled() - first - second
+    assert (first, second, third) == (1, 0, 1)
+    assert np.array_equal(resumed.p, whole.p)
+    assert np.array_equal(resumed.history, whole.history)
+
+
+def test_a_second_fit_reads_its_own_data_through_the_same_step():
+    adam = optax.adam(0.05)
+    x, y = xy()
+    a = sciflat.fit(loss, linear(), adam, steps=5, args=(x, y), progress=False)
+    b = sciflat.fit(loss, linear(), adam, steps=5, args=(x, 2 * y), progress=False)
+    c = sciflat.fit(
+        loss, linear(), optax.adam(0.05), steps=5, args=(x, 2 * y), progress=False
+    )
+    assert not np.array_equal(a.p, b.p)
+    assert np.array_equal(b.p, c.p)
 
 
 def test_batches_one_per_step_resume_and_running_out(tmp_path):
