@@ -306,6 +306,8 @@ def quasi_newton(
             "with `p, re = sciflat.destructure(model)` and pass `re=re`."
         )
     p = as_flat_vector(p, np.shape(p)[0], "`quasi_newton`")
+    if p.weak_type:  # `jnp.full(n, 0.5)`: strong, like the `p` the run returns
+        p = jnp.asarray(p, dtype=p.dtype)
     if state is None:
         hessian_inv, scaled = jnp.eye(p.size, dtype=p.dtype), jnp.array(False)
         if getattr(p, "committed", False) and p.sharding.is_fully_replicated:

@@ -220,16 +220,24 @@ def test_a_resumed_run_reuses_the_first_runs_compilation(caplog):
     # is the same compiled program, not a second compilation (3.6 s of the PINN
     # example's chunked SSBroyden run, per chunk size).
     fn = lambda p, a: jnp.sum((p - a) ** 2) + 0.5 * jnp.sum(p**4)
-    p = jax.device_put(jnp.asarray([0.5, -0.5, 2.0]), jax.devices()[0])
     a = jnp.arange(3.0)
-    first = sciflat.quasi_newton(fn, p, args=(a,), max_steps=2)
-    with jax.log_compiles(), caplog.at_level("WARNING"):
-        again = sciflat.quasi_newton(
-            fn, first.p, args=(a,), max_steps=2, state=first.raw
-        )
-    assert not [r for r in caplog.records if "Compiling jit(_run)" in r.getMessage()]
-    whole = sciflat.quasi_newton(fn, p, args=(a,), max_steps=4)
-    np.testing.assert_allclose(again.p, whole.p, rtol=1e-12)
+    # Committed, and weakly typed (a Python scalar's type): the run returns a strong `p`.
+    for p in (
+        jax.device_put(jnp.asarray([0.5, -0.5, 2.0]), jax.devices()[0]),
+        jnp.full(3, 0.25),
+    ):
+        first = sciflat.quasi_newton(fn, p, args=(a,), max_steps=2)
+        caplog.clear()
+        with jax.log_compiles(), caplog.at_level("WARNING"):
+            again = sciflat.quasi_newton(
+                fn, first.p, args=(a,), max_steps=2, state=first.raw
+            )
+        compiled = [
+            r for r in caplog.records if "Compiling jit(_run)" in r.getMessage()
+        ]
+        assert not compiled
+        whole = sciflat.quasi_newton(fn, p, args=(a,), max_steps=4)
+        np.testing.assert_allclose(again.p, whole.p, rtol=1e-12)
 
 
 def test_wrong_inputs_are_refused():
