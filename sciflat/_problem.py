@@ -102,13 +102,18 @@ def split_args(args: tuple, to_device: bool = True) -> tuple[list, Any]:
     return leaves, _Rebuild(treedef, static)
 
 
+def _static_key(x) -> tuple:
+    return (type(x), x, repr(x) if isinstance(x, float | complex) else None)
+
+
 class _Rebuild:
     def __init__(self, treedef, static):
         self.treedef, self.static = treedef, static
         flat, static_def = jax.tree.flatten(static)
         try:
-            # With the type: 1, 1.0 and True are equal but trace differently.
-            self._key = (treedef, static_def, tuple((type(x), x) for x in flat))
+            # With the type: 1, 1.0 and True are equal but trace differently; and a
+            # float's sign: 0.0 == -0.0, but `copysign` or `1 / x` tell them apart.
+            self._key = (treedef, static_def, tuple(map(_static_key, flat)))
             self._hash = hash(self._key)
         except TypeError:  # an unhashable static argument: equal only to itself
             self._hash, self._key = id(self), (id(self),)

@@ -126,6 +126,23 @@ def test_a_changed_closed_over_container_is_seen_by_a_new_lambda():
         np.testing.assert_allclose(a, max(target), atol=1e-6)
 
 
+def test_a_static_argument_of_the_other_sign_is_another_compilation():
+    # 0.0 == -0.0 (and hash alike), so keyed by value alone the second fit of the same
+    # loss reused the first one's compilation, with +0.0 compiled in: the minimum of
+    # this loss is at copysign(1, c). The SciPy fits and `fit` share the key.
+    import optax
+
+    loss = lambda m, c: jnp.sum((m["a"] - jnp.copysign(1.0, c)) ** 2)
+    adam = optax.adam(0.1)
+    for c in (0.0, -0.0, 0.0):
+        a = sciflat.minimize(loss, {"a": 0.3}, args=(c,), progress=False).model["a"]
+        np.testing.assert_allclose(a, np.copysign(1.0, c), atol=1e-6)
+        fitted = sciflat.fit(
+            loss, {"a": 0.3}, adam, steps=150, args=(c,), progress=False
+        )
+        assert np.sign(fitted.model["a"]) == np.copysign(1.0, c)
+
+
 def test_a_closed_over_generator_draws_anew_for_a_new_lambda():
     rng, reference = np.random.default_rng(0), np.random.default_rng(0)
     for _ in range(2):  # each trace draws the next number, as under `jax.jit`
