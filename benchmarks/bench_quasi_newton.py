@@ -40,7 +40,7 @@ def main(steps=20, repeats=5, warm=50):
     pinn = load_pinn()
     cfg = pinn.DEFAULT
     points = pinn.make_points(cfg["n_u"], cfg["n_f"], seed=0, dtype=jnp.float64)
-    model = pinn.PINN(cfg["width"], cfg["depth"], key=jax.random.key(0))
+    model = pinn.new_pinn(cfg["width"], cfg["depth"], key=jax.random.key(0))
     p, re = sciflat.destructure(model, dtype=jnp.float64)
     fn = lambda p, points: pinn.loss_fn(re(p), points)
     # From a point `warm` BFGS iterations in, where the loss is no longer the start's.

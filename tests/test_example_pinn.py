@@ -61,7 +61,7 @@ def test_pinn_learns_float32_then_float64_and_plots(pinn, tmp_path):
 
 
 def test_pinn_xavier_init_and_input_scaling(pinn):
-    model = pinn.PINN(20, 3, key=jax.random.key(0))
+    model = pinn.new_pinn(20, 3, key=jax.random.key(0))
     for layer in model.mlp.layers:
         fan_out, fan_in = layer.weight.shape
         std = np.sqrt(2 / (fan_in + fan_out))
@@ -172,6 +172,6 @@ def test_pinn_compare_precision_runs_both_settings(pinn):
 def test_pinn_loss_stays_float64(pinn):
     points = pinn.make_points(10, 20, seed=0, dtype=jnp.float64)
     p, re = sciflat.destructure(
-        pinn.PINN(8, 2, key=jax.random.key(0)), dtype=jnp.float64
+        pinn.new_pinn(8, 2, key=jax.random.key(0)), dtype=jnp.float64
     )
     sciflat.assert_dtypes(lambda p, data: pinn.loss_fn(re(p), data), p, points)

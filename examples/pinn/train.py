@@ -108,6 +108,11 @@ def xavier(mlp, key):
     return eqx.tree_at(lambda m: m.layers, mlp, tuple(layers))
 
 
+# `PINN(...)` as one compiled call: built eagerly, every initialiser op of every layer
+# compiles on its own (three times as long: seconds on a CPU).
+new_pinn = eqx.filter_jit(PINN)
+
+
 def residual(model, x, t):
     """u_t + u u_x - ν u_xx at one point, by forward-mode autodiff."""
     u_x = lambda x: jax.jvp(lambda x: model(x, t), (x,), (jnp.ones_like(x),))
@@ -226,7 +231,7 @@ def main(
     )
 
     # A float32-initialised network, trained as one float64 vector: the dtype rule.
-    model = PINN(width, depth, key=jax.random.key(seed), init=init)
+    model = new_pinn(width, depth, key=jax.random.key(seed), init=init)
     p, re = sciflat.destructure(model, dtype=jnp.float64)
     print(
         f"{len(re)} parameters ({depth} hidden layers of {width}, {init} init), "
@@ -454,7 +459,7 @@ def record(
     adam_steps = RECORD["adam_steps"] if adam_steps is None else adam_steps
     every = every or RECORD["every"]
     rng = np.random.default_rng(seed)
-    model = PINN(cfg["width"], cfg["depth"], key=jax.random.key(seed))
+    model = new_pinn(cfg["width"], cfg["depth"], key=jax.random.key(seed))
     p, re = sciflat.destructure(model, dtype=jnp.float64)
     data = record_points(rng, cfg["n_f"], cfg["n_ic"], cfg["n_bc"])
     u_ref = reference(X_GRID, T_GRID)
@@ -662,7 +667,7 @@ def compare_precision(*, steps=2000, seed=0, repeats=20, **kwargs):
     points = make_points(
         100, kwargs.get("n_f", DEFAULT["n_f"]), seed=seed, dtype=jnp.float32
     )
-    model = PINN(
+    model = new_pinn(
         kwargs.get("width", DEFAULT["width"]),
         kwargs.get("depth", DEFAULT["depth"]),
         key=jax.random.key(seed),
