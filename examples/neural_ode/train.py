@@ -103,6 +103,11 @@ def predict(model, ts, y0):
     return jax.vmap(solve_one)(y0)
 
 
+# Compiled once per model structure and data shapes: a second `main` of the same sizes
+# (another learning rate, sharded or not) reuses it.
+predict_jit = eqx.filter_jit(predict)
+
+
 def loss_fn(model, batch, ts):
     """Mean squared error of trajectories started from the data's first points, on the
     first `n` times only: the horizon grows during training, inside one compiled step."""
@@ -198,7 +203,7 @@ def main(
     )
 
     # Predictions for train and test set in one compiled call, before and after.
-    evaluate = eqx.filter_jit(lambda model: predict(model, ts, ys_all[:, 0]))
+    evaluate = lambda model: predict_jit(model, ts, ys_all[:, 0])
     initial_loss = float(np.mean((evaluate(model)[:n_train] - ys) ** 2))
 
     # `share * steps` steps on the first `horizon` of the times, for each stage; the
