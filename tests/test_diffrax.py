@@ -94,13 +94,15 @@ def solve_grad(solver_name: str, adjoint_name: str, dtype_name: str, args: str =
     return loss, jax.jit(jax.value_and_grad(loss))
 
 
-# Every solver with the default adjoint, every other adjoint with Tsit5; `args=p` and
-# `args=re(p)` (the way docs/diffrax.md teaches): the transform is unwrapped in each.
+# An explicit and an implicit solver with the default adjoint (the implicit one also
+# differentiates the field in `y`, for its Newton steps), every other adjoint with
+# Tsit5; `args=p` and `args=re(p)` (the way docs/diffrax.md teaches): the transform is
+# unwrapped in each. (Another explicit Runge–Kutta solver reaches the field the same
+# way as Tsit5: its case would test Diffrax, not sciflat.)
 @pytest.mark.parametrize(
     "solver, adjoint, args",
     [
         ("Tsit5", "RecursiveCheckpointAdjoint", "p"),
-        ("Dopri5", "RecursiveCheckpointAdjoint", "p"),
         ("Kvaerno5", "RecursiveCheckpointAdjoint", "p"),
         ("Tsit5", "BacksolveAdjoint", "p"),
         ("Tsit5", "DirectAdjoint", "p"),
@@ -454,15 +456,14 @@ def test_same_re_means_no_retrace():
 @pytest.mark.slow  # three vmapped solves to compile: 137 s on the loaded 2-core machine
 def test_vmapped_solves_with_re_p_match_the_plain_model():
     # The documented neural-ODE pattern: `args=re(p)` outside `vmap`; the gradient is
-    # the plain pytree's (ties summed: the tied layer is in `p` once), and `args=p`
-    # gives the same.
+    # the plain pytree's (ties summed: the tied layer is in `p` once). (`args=p` is the
+    # same field, value and Jacobian: `test_args_model_is_the_same_field_as_args_p`.)
     model = UDE(jax.random.key(1))
     p, re = sciflat.destructure(model, dtype=jnp.float64)
     y0s = jnp.asarray([[1.0, 0.5], [0.3, 0.2], [2.0, 1.0]])
     term = diffrax.ODETerm(sciflat.vector_field(re))
     batched = lambda args: jax.vmap(lambda y0: _solve_ys(term, args, y0))(y0s).sum()
     grad_model = jax.jit(jax.grad(lambda p: batched(re(p))))(p)
-    grad_p = jax.jit(jax.grad(batched))(p)
     plain = jax.tree.map(
         lambda x: x.astype(jnp.float64) if eqx.is_array(x) else x, model
     )
@@ -476,7 +477,6 @@ def test_vmapped_solves_with_re_p_match_the_plain_model():
     assert grad_model.dtype == jnp.float64
     assert len(re) == 2 + (4 * 4 + 4) + (4 * 2 + 2)  # the tied layer once
     np.testing.assert_allclose(grad_model, ref, rtol=1e-10, atol=1e-12)
-    np.testing.assert_allclose(grad_p, ref, rtol=1e-10, atol=1e-12)
 
 
 #
