@@ -119,7 +119,16 @@ def _rebuild_on_host(spec: _Spec, p: jax.Array, cast_arrays):
     split = lambda x, sizes: np.split(x, np.cumsum(sizes)[:-1])
     host_cast = [np.asarray(x) for x in cast_arrays]
     slot_arrays, casts = _assemble(spec, np.asarray(p), host_cast, split, _host_complex)
-    return jax.device_put((slot_arrays, casts), replicated_like(p.sharding))
+    return jax.device_put((slot_arrays, casts), _placement(p))
+
+
+def _placement(p: jax.Array):
+    """Where the leaves of `re(p)` go: a whole copy on each of `p`'s devices, committed
+    as `p` is (as the result of an op on `p` would be). An uncommitted `p` gives
+    uncommitted leaves: `jax.jit` keys on commitment, so a model rebuilt from a fit's
+    `p` then calls a compiled function as the start model did, without compiling it
+    again."""
+    return replicated_like(p.sharding) if p.committed else None
 
 
 @ft.partial(jax.jit, static_argnums=(2, 3))
@@ -133,7 +142,7 @@ def _take(p, offset, shape: tuple[int, ...], complex_: bool):
 
 
 def _rebuild_on_device(spec: _Spec, p: jax.Array, cast_arrays):
-    cast_arrays = jax.device_put(cast_arrays, p.sharding)
+    cast_arrays = jax.device_put(cast_arrays, _placement(p))
     if 4 * len({(s.shape, s.complex) for s in spec.slots}) >= len(spec.slots):
         # Few leaves per shape: one compiled split of the whole model (on the CPU,
         # ~40 ms of compilation per leaf, then one dispatch).
@@ -372,8 +381,9 @@ def _ravel(arrays: list, dtype: np.dtype, like) -> jax.Array:
         x = np.asarray(x).ravel()
         parts += [np.real(x), np.imag(x)] if is_complex(x.dtype) else [x]
     flat = np.concatenate([x.astype(dtype) for x in parts] or [np.zeros(0, dtype)])
-    device = like.sharding if isinstance(like, jax.Array) else None
-    return jax.device_put(flat, device)
+    # On the model's device(s), committed as its leaves are (see `_placement`).
+    where = like.sharding if isinstance(like, jax.Array) and like.committed else None
+    return jax.device_put(flat, where)
 
 
 def destructure(

@@ -205,6 +205,27 @@ def test_jit_does_not_retrace_for_a_new_p():
     assert hash(re) == hash(sciflat.destructure(model)[1])
 
 
+def test_rebuilt_leaves_are_committed_as_p_is():
+    # `jax.jit` keys on commitment: a model rebuilt from an uncommitted `p` (what a
+    # SciPy fit returns) must call a compiled function as the start model did, with
+    # no second compilation; a committed `p` gives committed leaves (they follow it).
+    model = {"a": jnp.asarray(1.5, jnp.float64), "w": jnp.ones(3)}
+    p, re = sciflat.destructure(model)
+    arrays = lambda m: jax.tree.leaves(eqx.filter(m, eqx.is_array))
+    for q, committed in [(p, False), (jax.device_put(p, jax.devices()[0]), True)]:
+        assert q.committed is committed
+        assert {x.committed for x in arrays(re(q))} == {committed}
+    f = jax.jit(lambda m: m["a"] * jnp.sum(m["w"]))
+    f(model)
+    result = sciflat.least_squares(
+        lambda m: jnp.concatenate([m["w"] - 2.0, (m["a"] - 3.0)[None]]),
+        model,
+        progress=False,
+    )
+    assert float(f(result.model)) == pytest.approx(18.0)
+    assert f._cache_size() == 1  # pyright: ignore[reportFunctionMemberAccess]
+
+
 def test_vmap_of_parameter_vectors_gives_an_ensemble():
     model = eqx.nn.MLP(2, 1, 4, 1, key=jax.random.key(0))
     p, re = sciflat.destructure(model)
