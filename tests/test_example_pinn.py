@@ -93,27 +93,26 @@ def test_pinn_points_are_the_originals(pinn):
     assert xf.min() >= -1 and xf.max() <= 1 and tf.min() >= 0 and tf.max() <= 0.99
 
 
-def test_pinn_bfgs_float32_then_float64(pinn):
-    # Optimistix's BFGS on the flat vector, in float32, then on in float64 from the same
-    # point by `p.astype` (the dtype rule).
+def test_pinn_bfgs_runs_and_reports(pinn):
+    # Optimistix's BFGS on the flat vector (the example's `--optimizer bfgs`), in
+    # float64. Going on in float64 from a float32 stage is the same stage loop for
+    # every optimiser: the L-BFGS-B test above runs it (a float32 BFGS stage here,
+    # another Optimistix loop to compile, took this test from 12 s to 30 s).
     run = pinn.main(
         width=8,
         depth=2,
         n_f=200,
         steps=150,
         optimizer="bfgs",
-        dtype="float32-then-float64",
+        dtype="float64",
         report_every=50,
         out=None,
         progress=False,
     )
-    first, second = run["stages"]
-    assert (first["stage"], second["stage"]) == ("BFGS float32", "BFGS float64")
+    (stage,) = run["stages"]
+    assert stage["stage"] == "BFGS float64" and stage["steps"] == 150
     assert run["p"].dtype == jnp.float64
-    # The float64 stage goes on from where float32 stopped, and improves on it.
-    assert second["loss"] < first["loss"] < run["history"][0]
-    assert first["steps"] == second["steps"] == 150
-    assert first["loss"] < run["history"][0] / 5  # from the start
+    assert stage["loss"] < run["history"][0] / 5  # from the start
     assert run["error"] < 0.7  # u = 0 would be 1.0
     # The error is reported every 50 evaluations, at cumulative counts.
     assert [s for s, _ in run["errors"]][:3] == [50, 100, 150]
