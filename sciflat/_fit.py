@@ -10,7 +10,6 @@ module each: preparing (`_fit_prepare.py`: every refusal happens there), running
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import equinox as eqx
 import numpy as np
 from jax.typing import DTypeLike
 
@@ -145,10 +144,7 @@ def _finish(prep: Prepared, out: Outcome, checkpoint) -> FitResult:
     else:
         if checkpoint is not None:
             ckpt.write_state(checkpoint, re, carry, out.state)
-        # Eagerly: one forward pass is not worth a compilation.
-        args = eqx.combine(prep.dynamic_args, prep.static_args)
-        data = args if out.last_batch is None else (out.last_batch, *args)
-        value = float(prep.loss(re(p), *data))
+        value = float(prep.value(p, out.last_batch, prep.dynamic_args))
         # The last update is checked here: no step ran at its result.
         if bad := nonfinite_paths(p, re):
             status = "nonfinite"

@@ -20,6 +20,7 @@ from ._fit_step import (
     State,
     check_loss_output,
     make_step,
+    make_value,
     make_vmapped_step,
     reuses_value,
     strong,
@@ -43,6 +44,7 @@ class Prepared:
     loss: Callable[..., Any]
     re: Restructure
     step: Callable  # the compiled step
+    value: Callable  # the compiled loss at `p` (for the final loss)
     state: State  # placed on p's devices
     carry: ckpt.Carry  # step count and history (from a checkpoint when resuming)
     feed: Iterator  # one batch (or None) per step, the done ones skipped
@@ -92,6 +94,10 @@ def prepare(
     reuse = reuses_value(opt_state)
     key = ("fit:step", *_step_key(loss, re, optimizer, args), reuse)
     step = shared(key, lambda: make_step(loss, re, optimizer, static_args, reuse))
+    # The final loss: keyed as the step, less the optimiser it does not read.
+    loss_key, _, re_key, rebuild = _step_key(loss, re, optimizer, args)
+    key = ("fit:value", loss_key, re_key, rebuild)
+    value = shared(key, lambda: make_value(loss, re, static_args))
     if batch_iter is None:
         feed = itertools.repeat(None)
     else:
@@ -101,6 +107,7 @@ def prepare(
         loss=loss,
         re=re,
         step=step,
+        value=value,
         state=place(carry.state, p),
         carry=carry,
         feed=feed,

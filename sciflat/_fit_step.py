@@ -112,6 +112,19 @@ def make_step(loss, re, optimizer, static_args, reuse_value: bool):
     return lambda state, *rest: step(state.p, state.opt_state, state[2:], *rest)
 
 
+def make_value(loss, re, static_args):
+    """The loss at `p`, compiled: `value(p, batch, dynamic_args)`, for the loss at a
+    fit's final parameters. Run eagerly, each op of the loss would compile on its own:
+    for a PINN's loss that took longer than compiling the whole step."""
+
+    @jax.jit
+    def value(p, batch, dynamic_args):
+        args = eqx.combine(dynamic_args, static_args)
+        return loss(re(p), *(args if batch is None else (batch, *args)))
+
+    return value
+
+
 def make_vmapped_step(loss, re, optimizer, static_args, reuse_value: bool):
     """The same step over a batch of starts (`multistart`): every state leaf has a
     leading axis of starts, and a start that is no longer `active` (stopped) keeps

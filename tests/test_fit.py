@@ -166,6 +166,30 @@ def test_a_fit_resumed_with_the_same_loss_and_optimizer_compiles_nothing(
     assert np.array_equal(resumed.history, whole.history)
 
 
+def test_the_final_loss_is_one_compiled_program_kept_for_the_next_fit(caplog):
+    # Run eagerly, every op of the loss compiled on its own at the end of a fit (a
+    # PINN's loss: 4.5 s, longer than its whole step). The loss at the final `p` is
+    # one compiled program, kept as the step is but without the optimiser in its
+    # key: a fit with another optimiser compiles its step, not the final loss.
+    x = jnp.linspace(0.0, 1.0, 13)  # shapes no other test uses: no eager op cached
+    y = jnp.sin(3.0 * x)
+    wavy = lambda m, x, y: jnp.mean((jnp.tanh(m["a"] * x) * m["b"] - y) ** 2)
+    model = {"a": jnp.asarray(1.0), "b": jnp.asarray(0.5)}
+    kwargs = dict(steps=3, args=(x, y), progress=False)
+    compiled = lambda name: sum(
+        r.getMessage().startswith(f"Compiling jit({name})") for r in caplog.records
+    )
+    with jax.log_compiles(True), caplog.at_level("WARNING"):
+        first = sciflat.fit(wavy, model, optax.adam(0.1), **kwargs)
+        counts = [compiled("value"), compiled("tanh")]
+        second = sciflat.fit(wavy, model, optax.sgd(0.1), **kwargs)
+        counts += [compiled("value"), compiled("step")]
+    assert counts == [1, 0, 1, 2]
+    for result in (first, second):
+        expected = wavy(result.model, x, y)
+        np.testing.assert_allclose(result.loss, expected, rtol=1e-14)
+
+
 def test_a_second_fit_reads_its_own_data_through_the_same_step():
     adam = optax.adam(0.05)
     x, y = xy()
