@@ -135,10 +135,11 @@ def clear_caches() -> None:
 
     sciflat keeps the jitted functions of recent fits (reused by a later fit of the
     same loss object, `Restructure` and data structure, and for `fit` the same
-    optimiser object, exactly where `jax.jit` would reuse them) and the
-    `Restructure` of recent start models. Call this to free their memory, or to
-    time a first fit again; nothing else changes, since a hit never returns a stale
-    result. (`jax.clear_caches()` clears JAX's own.)
+    optimiser object, exactly where `jax.jit` would reuse them; the standard errors
+    of transformed values, per `Restructure`) and the `Restructure` of recent start
+    models. Call this to free their memory, or to time a first fit again; nothing
+    else changes, since a hit never returns a stale result. (`jax.clear_caches()`
+    clears JAX's own.)
 
     !!! Example
 

@@ -21,6 +21,7 @@ from jaxtyping import Array, ArrayLike, Float
 
 from ._flatten import Restructure
 from ._layout import TRAINABLE
+from ._scipy_programs import shared, structure_key
 from ._uncertainty import Uncertainty, entry_names
 
 
@@ -239,7 +240,8 @@ def value_names(re: Restructure) -> tuple[str, ...]:
 def constrained(re: Restructure, x: Float[Array, " n"]) -> Float[Array, " n"]:
     """`x` with every entry that is a transform's `raw` mapped to its value."""
     x = jnp.asarray(x)
-    positions = re(jnp.arange(len(re), dtype=x.dtype))  # each leaf holds its indices
+    with jax.ensure_compile_time_eval():  # concrete also inside `jit`
+        positions = re(jnp.arange(len(re), dtype=x.dtype))  # each leaf: its indices
     trainable = {e.path for e in re.layout() if e.kind == TRAINABLE}
     nodes = jax.tree_util.tree_flatten_with_path(positions, is_leaf=_is_transform)[0]
     out = x
@@ -256,9 +258,22 @@ def delta_method(
     re: Restructure, x: Float[Array, " n"], covariance: np.ndarray
 ) -> np.ndarray:
     """The covariance of the constrained values from that of `x`: D cov D."""
-    x = jnp.asarray(x, jnp.float64)
-    d = np.asarray(jax.jvp(lambda x: constrained(re, x), (x,), (jnp.ones_like(x),))[1])
+    d = np.asarray(_derivative(re)(jnp.asarray(x, jnp.float64)))
     return covariance * np.outer(d, d)
+
+
+def _derivative(re: Restructure):
+    """`x -> d constrained(re, x) / dx` (each entry depends on itself alone), compiled
+    and kept per `re` (by structure, as the fits' functions): run eagerly, each op of
+    the `jvp` compiled on its own, 1.6 s of a 2.6 s first fit with two transforms."""
+
+    def make():
+        ones = lambda x: jnp.ones_like(x)
+        return jax.jit(
+            lambda x: jax.jvp(ft.partial(constrained, re), (x,), (ones(x),))[1]
+        )
+
+    return shared(("transforms:derivative", structure_key(re)), make)
 
 
 def raw_to_values(model: Any) -> Any:
