@@ -215,6 +215,7 @@ class PetabProblem:
         # jit by identity: one compilation per problem, shared by every fit.
         self.nll = jax.jit(self._nll)
         self.residuals = jax.jit(self._residuals)
+        self._value_and_hessian = jax.jit(self._nll_and_hessian)
 
     # -- the tables ---------------------------------------------------------------
 
@@ -859,6 +860,12 @@ class PetabProblem:
             for row in x
         ]
 
+    def _nll_and_hessian(self, x: Array, re: Any) -> tuple[Array, Array]:
+        """The value and the Hessian in one compiled program; `re` is an argument (a
+        pytree), so every fit of the problem, which has an equal one, shares it."""
+        f = lambda x: self._nll(re(x))
+        return f(x), jax.jacfwd(jax.jacfwd(f))(x)
+
     def uncertainty(self, result: Any) -> Any:
         """`result` (of a fit of this problem) with its covariance from the Hessian of
         the negative log-likelihood, cov = H⁻¹ on the parameters' scales; the Hessian
@@ -879,9 +886,7 @@ class PetabProblem:
         if re is None:
             raise ValueError("`result` has no `re`: pass what a sciflat fit returned.")
         x = jnp.asarray(result.p, jnp.float64)
-        f = lambda x: self._nll(re(x))
-        # The value and the Hessian in one compiled program.
-        value, hess = jax.jit(lambda x: (f(x), jax.jacfwd(jax.jacfwd(f))(x)))(x)
+        value, hess = self._value_and_hessian(x, re)
         unc = from_hessian(np.asarray(hess), float(value), re, "nll", None)
         return dataclasses.replace(result, uncertainty=unc)
 
