@@ -1,4 +1,5 @@
-"""The jitted functions of the SciPy fits, reused across fits as `jax.jit` reuses them."""
+"""sciflat's kept jitted functions (the SciPy fits', `fit`'s step and final loss, the
+transforms' derivative), reused across fits as `jax.jit` reuses them."""
 
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -114,8 +115,9 @@ def structure_key(re: Restructure) -> Hashable:
 
 def shared(key: Hashable, make: Callable[[], Any]) -> Any:
     """What the cache keeps under `key`, made by `make()` where it keeps nothing: for
-    `fit`, whose step is one `jax.jit` per (loss, optimiser, `re`, static `args`),
-    keyed as `Programs` keys the SciPy fits' functions."""
+    `fit`'s step (one `jax.jit` per loss, optimiser, `re` and static `args`) and final
+    loss, and the transforms' derivative (per `re`), keyed as `Programs` keys the
+    SciPy fits' functions: by identity or structure, never by value of an array."""
     value = _CACHE.get(key)
     if value is None:
         value = make()
