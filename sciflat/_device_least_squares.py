@@ -85,28 +85,58 @@ def with_jacobian(r: Callable, mode: str) -> Callable:
 
 
 def _build(kind, residuals, re, rebuild, mode: str) -> Callable:
-    """The compiled single fit: `(x0, options, leaves) -> outputs` (`outputs`, with
-    the residuals, the history and the pieces of the fitted model)."""
+    """The compiled single fit: `(start, leaves) -> outputs` (`start` from
+    `packed_start`; `outputs`, with the residuals, the history and the pieces of the
+    fitted model)."""
     history = int(kind.removeprefix("device:"))
     r = residual_fn(residuals, re, rebuild)
 
-    def fit(x0, opts, leaves):
+    def fit(start, leaves):
+        x0, opts = _unpack_start(start)
         check_shape(
             jax.eval_shape(r, x0, leaves).shape[0], x0.shape[0], "least_squares"
         )
         both = with_jacobian(lambda x: r(x, leaves), mode)
         state = _lm.solve(both, x0, opts, history)
-        host = dict(outputs(state), f=state.f, history=state.history)
+        grad = state.jac.T @ state.f  # SciPy's `grad` and `optimality`, of the cost
+        host = dict(outputs(state), f=state.f, history=state.history, grad=grad)
+        host["optimality"] = jnp.max(jnp.abs(grad), initial=0.0)
         # A fit that cannot start keeps its start: `state.x` is `x0` then.
         return dict(host=_pack(host), x=state.x, model=pieces(re, state.x))
 
     return fit
 
 
-# What the host reads of a single fit, as one float64 vector: one transfer, where
-# each array of its own costs a transfer (~10 µs each on the CPU; the whole fit of a
-# NIST problem is ~1 ms). Integers below 2**53 are exact in float64.
-_PACKED = ("cost", "nfev", "njev", "info", "full", "x", "f", "jac", "cov", "history")
+# The start and the options of a single fit, as one float64 vector (`x0`, `ftol`,
+# `xtol`, `gtol`, `max_nfev`, `diag`), and what the host reads of the fit, as another:
+# one transfer each way, where each array of its own costs one (~5 µs each on the
+# CPU; the whole fit of a NIST problem is under 1 ms). Integers below 2**53 are
+# exact in float64.
+_PACKED = (
+    "cost",
+    "nfev",
+    "njev",
+    "info",
+    "full",
+    "optimality",
+    "x",
+    "grad",
+    "f",
+    "jac",
+    "cov",
+    "history",
+)
+_SCALARS = 6
+
+
+def packed_start(x0: np.ndarray, opts: _lm.Options) -> np.ndarray:
+    return np.concatenate([x0, np.stack(opts[:4]), opts.diag])
+
+
+def _unpack_start(start: jax.Array) -> tuple[jax.Array, _lm.Options]:
+    n = (start.shape[0] - 4) // 2
+    ftol, xtol, gtol, max_nfev = (start[n + i] for i in range(4))
+    return start[:n], _lm.Options(ftol, xtol, gtol, max_nfev, start[n + 4 :])
 
 
 def _pack(out: dict) -> jax.Array:
@@ -114,12 +144,18 @@ def _pack(out: dict) -> jax.Array:
 
 
 def _unpack(packed: np.ndarray, n: int, n_history: int) -> dict:
-    # Five scalars, x (n), f (m), jac (m, n), cov (n, n), the history.
-    m = (len(packed) - 5 - n - n * n - n_history) // (n + 1)
-    shapes = dict(x=(n,), f=(m,), jac=(m, n), cov=(n, n), history=(n_history,))
-    out, at = {}, 0
-    for k in _PACKED:
-        shape = shapes.get(k, ())
+    # Six scalars, x (n), grad (n), f (m), jac (m, n), cov (n, n), the history.
+    m = (len(packed) - _SCALARS - 2 * n - n * n - n_history) // (n + 1)
+    out: dict = dict(zip(_PACKED[:_SCALARS], packed[:_SCALARS].tolist(), strict=True))
+    at = _SCALARS
+    for k, shape in (
+        ("x", (n,)),
+        ("grad", (n,)),
+        ("f", (m,)),
+        ("jac", (m, n)),
+        ("cov", (n, n)),
+        ("history", (n_history,)),
+    ):
         size = math.prod(shape)
         out[k] = packed[at : at + size].reshape(shape)
         at += size
@@ -218,8 +254,9 @@ def least_squares_on_device(
     n_history = min(max_nfev, _HISTORY_MAX) + 1
     kind = f"device:{n_history}"
     # Forward mode first: the fit needs m >= n, where it is the cheaper one.
-    fn, used = programs.first_working(kind, choose_modes(mode, True), start, opts)
-    out = fn(start, opts, programs.leaves)
+    start = packed_start(start, opts)
+    fn, used = programs.first_working(kind, choose_modes(mode, True), start)
+    out = fn(start, programs.leaves)
     how = f"Jacobian: {used} mode"
     return fit_result(out, re, n_history, max_nfev, how)
 
@@ -231,28 +268,26 @@ def fit_result(out: dict, re, n_history: int, max_nfev: int, how: str) -> FitRes
 
     model = from_pieces(re, out["model"])
     p = out["x"]
-    host = _unpack(np.asarray(jax.device_get(out["host"])), len(re), n_history)
+    host = _unpack(np.asarray(out["host"]), len(re), n_history)
     m = len(host["f"])
     info = int(host["info"])
     status, message = status_and_message(info, max_nfev)
     ok = info != _lm.NONFINITE_START
-    x = np.asarray(host["x"], np.float64)
-    cost = float(host["cost"]) if ok else np.nan
+    x = host["x"]
+    cost = host["cost"] if ok else np.nan
     unc = None
     if ok:
         on_device = bool(host["full"]) and not has_transforms(model)
         unc = uncertainty(host["cov"], on_device, host["jac"], cost, re, x, model)
     njev = int(host["njev"])
-    history = np.asarray(host["history"])[: min(njev, len(host["history"]))]
-    jac, f = np.asarray(host["jac"]), np.asarray(host["f"])
-    grad = jac.T @ f
+    history = host["history"][: min(njev, len(host["history"]))]
     raw = scipy.optimize.OptimizeResult(
         x=x,
         cost=cost,
-        fun=f,
-        jac=jac,
-        grad=grad,
-        optimality=float(np.max(np.abs(grad), initial=0.0)),
+        fun=host["f"],
+        jac=host["jac"],
+        grad=host["grad"],
+        optimality=host["optimality"],
         active_mask=np.zeros(len(x), int),
         nfev=int(host["nfev"]),
         njev=njev,

@@ -26,8 +26,8 @@ def promote_floats(model: Any, who: str, dtype: DTypeLike = np.float64) -> Any:
     is_module = lambda x: isinstance(x, eqx.Module)
     promote = lambda x: np.asarray(x, dtype) if type(x) is float else x
     model = jax.tree.map(promote, model, is_leaf=is_module)
-    leaves = jax.tree_util.tree_leaves_with_path(model)
-    if not any(_is_floating_array(leaf) for _, leaf in leaves):
+    if not any(_is_floating_array(leaf) for leaf in jax.tree.leaves(model)):
+        leaves = jax.tree_util.tree_leaves_with_path(model)
         floats = [jax.tree_util.keystr(k) for k, v in leaves if isinstance(v, float)]
         if floats:
             names = ", ".join(f"`{p}`" for p in floats[:8])

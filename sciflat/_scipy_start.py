@@ -34,7 +34,10 @@ def start(model, x0, filter_spec, who: str) -> tuple[np.ndarray, Restructure]:
             )
     else:
         p, re = _destructured(model, filter_spec)
-        x0 = p if x0 is None else x0
+        if x0 is None:  # float64, of `re`'s length: `destructure` made it
+            x0 = p.copy()  # `p` may be kept for the next fit (`_MODELS`)
+            check_start(x0, re, who)
+            return x0, re
     x0 = checked_flat_vector(x0, len(re), f"`{who}` (`x0`)")
     # An exact conversion: float32 and narrower fit in float64 without rounding.
     x0 = np.array(x0, dtype=np.float64)

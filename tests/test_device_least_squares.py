@@ -99,6 +99,17 @@ def test_misra1a_equals_minpack_and_nist():
         assert len(ours.history) == ours.n_steps and ours.history[-1] == ours.loss
         assert ours.raw.nfev == ours.n_evaluations and ours.raw.success
         assert "[[Variables]]" in str(ours)
+        # `raw` as SciPy's: the residuals, Jacobian and gradient at the fitted `x`.
+        raw, x = ours.raw, np.asarray(ours.p)
+        np.testing.assert_array_equal(raw.x, x)
+        r = lambda x: MISRA.residuals({"b1": x[0], "b2": x[1]}, MISRA.x, MISRA.y)
+        np.testing.assert_allclose(raw.fun, r(x), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(raw.jac, jax.jacfwd(r)(x), rtol=1e-12)
+        # At the minimum `Jᵀ f` cancels: to rounding of the sum of its terms' sizes.
+        scale = np.abs(raw.jac).T @ np.abs(raw.fun)
+        assert np.all(np.abs(raw.grad - raw.jac.T @ raw.fun) <= 1e-14 * scale)
+        assert raw.optimality == np.max(np.abs(raw.grad)) and raw.cost == ours.loss
+        assert raw.grad.shape == x.shape and raw.fun.shape == MISRA.y.shape
 
 
 @pytest.fixture(scope="module")
@@ -284,7 +295,8 @@ def test_the_program_computes_in_float64_only():
     opts, _ = dls.options({}, 2, "test")
     for mode in ("forward", "reverse"):
         fn = dls._build("device:5", MISRA.residuals, re, rebuild, mode)
-        jaxpr = jax.make_jaxpr(fn)(jnp.array(MISRA.starts[0]), opts, leaves)
+        start = dls.packed_start(np.array(MISRA.starts[0]), opts)
+        jaxpr = jax.make_jaxpr(fn)(start, leaves)
         assert float_dtypes_in_jaxpr(jaxpr) == {"float64"}
 
 
