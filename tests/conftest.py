@@ -15,7 +15,9 @@ import pytest
 _OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
 if _OWN_CACHE:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="sciflat-jax-")
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+    # Every program, the eager operations' too: each process (a docs page's, an
+    # example's child) would otherwise compile them all again.
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jax  # noqa: E402  (after the cache settings, which JAX reads on import)
 
@@ -47,10 +49,33 @@ def x64_off():
 _SLOW_PREFIX = "test_example_"
 
 
+# The files whose tests take longest (`--durations`, 2 cores: 50-130 s each), longest
+# first. pytest-xdist hands whole files to its workers in collection order
+# (`--no-loadscope-reorder` in pyproject.toml; by default it starts the files with
+# the most tests first, which leaves the single-test examples to the end, one worker
+# running them while the other waits): long files first, so both workers end
+# together. The other files follow in their usual order. Only the order changes.
+_LONGEST_FIRST = (
+    "test_docs.py",
+    "test_diffrax.py",
+    "test_example_neural_ode.py",
+    "test_example_boehm.py",
+    "test_example_pinn.py",
+    "test_example_parameter_estimation.py",
+    "test_petab.py",
+    "test_device_least_squares.py",
+    "test_quasi_newton.py",
+    "test_combinations.py",
+    "test_dtype_matrix.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name.startswith(_SLOW_PREFIX):
             item.add_marker(pytest.mark.slow)
+    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable
 
 
 def pytest_unconfigure(config):
