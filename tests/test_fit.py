@@ -190,6 +190,34 @@ def test_the_final_loss_is_one_compiled_program_kept_for_the_next_fit(caplog):
         np.testing.assert_allclose(result.loss, expected, rtol=1e-14)
 
 
+def test_the_fitted_model_calls_a_compiled_function_as_the_start_model_did(caplog):
+    # `jax.jit` keys on commitment: an uncommitted start model and data give a fitted
+    # model with uncommitted leaves, so a function jitted on the start is not compiled
+    # again for the result (the neural ODE example's `predict`: twice per run); what
+    # is committed stays committed, with one step compilation either way.
+    arrays = lambda m: jax.tree.leaves(eqx.filter(m, eqx.is_array))
+    f = jax.jit(lambda m, x: jnp.sum(jax.vmap(m)(x)))
+    model, adam = linear(), optax.adam(0.05)
+    f(model, X)
+    placed = jax.device_put(xy(), jax.devices()[0])
+    with jax.log_compiles(True), caplog.at_level("WARNING"):
+        for data, committed in [(xy(), False), (placed, True)]:
+            for steps in (3, 5):  # a second fit of the same structure: the same step
+                result = sciflat.fit(
+                    loss, model, adam, steps=steps, args=data, progress=False
+                )
+                assert {x.committed for x in arrays(result.model)} == {committed}
+                assert result.p.committed is committed
+    steps = [
+        r for r in caplog.records if r.getMessage().startswith("Compiling jit(step)")
+    ]
+    assert len(steps) == 2
+    f(result.model, X)
+    assert f._cache_size() == 2  # pyright: ignore[reportFunctionMemberAccess]
+    f(sciflat.fit(loss, model, adam, steps=3, args=xy(), progress=False).model, X)
+    assert f._cache_size() == 2  # pyright: ignore[reportFunctionMemberAccess]
+
+
 def test_a_second_fit_reads_its_own_data_through_the_same_step():
     adam = optax.adam(0.05)
     x, y = xy()
