@@ -330,21 +330,29 @@ def test_small_gradient_matches_finite_differences(small):
 
 
 @pytest.mark.slow  # reads SBML with SymPy and compiles Diffrax solves: seconds
-def test_normal_residuals_square_to_the_nll(tmp_path):
+def test_normal_residuals_square_to_the_nll(tmp_path, caplog):
     # Without the Laplace observable: nll == 0.5 * sum(r**2) + residual_offset.
     rows = [m for m in SMALL_MEASUREMENTS if m[0] != "obsC"]
     problem = sciflat.petab_problem(
         small_problem(tmp_path, rows), rtol=1e-10, atol=1e-12
     )
-    other = {"k": jnp.asarray(-0.7), "scale": jnp.asarray(1.2), "sd": jnp.asarray(0.3)}
-    for model in (problem.nominal, other):
-        r = problem.residuals(model)
-        assert r.shape == (2 * len(rows),)
-        np.testing.assert_allclose(
-            0.5 * float(jnp.sum(r**2)) + problem.residual_offset,
-            float(problem.nll(model)),
-            rtol=1e-12,
-        )
+    # Weakly typed values (Python floats, `jnp.asarray(-0.7)`) compute as the
+    # nominal float64 ones do: the same compiled `nll` and `residuals`.
+    other = {"k": jnp.asarray(-0.7), "scale": 1.2, "sd": jnp.asarray(0.3)}
+    with jax.log_compiles(True), caplog.at_level("WARNING"):
+        for model in (problem.nominal, other):
+            r = problem.residuals(model)
+            assert r.shape == (2 * len(rows),) and r.dtype == jnp.float64
+            nll = problem.nll(model)
+            assert nll.dtype == jnp.float64
+            np.testing.assert_allclose(
+                0.5 * float(jnp.sum(r**2)) + problem.residual_offset,
+                float(nll),
+                rtol=1e-12,
+            )
+    compiled = [r.getMessage().split(" with ")[0] for r in caplog.records]
+    assert compiled.count("Compiling jit(_nll)") == 1, compiled
+    assert compiled.count("Compiling jit(_residuals)") == 1, compiled
 
 
 @pytest.mark.slow  # reads SBML with SymPy and compiles Diffrax solves: seconds

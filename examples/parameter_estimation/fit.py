@@ -256,6 +256,8 @@ def fit_ude(ts, ys, t_end, width, steps, adam_steps, seed, progress):
     print(f"UDE: {len(re)} parameters in one {p.dtype} vector (α, γ, then the MLP)")
     t0, n_steps, model = time.perf_counter(), 0, re(p)
     keep = ts <= t_end
+    # The true trajectory, solved as the data were (the same compiled solve).
+    y_true = solve(LotkaVolterra(**TRUE_RATES), ts)[keep]
     ts, ys = ts[keep], ys[keep]
     initial = float(ude_mse(model, ts, ys))
     # Adam on a growing window, then L-BFGS-B: from a poor start, L-BFGS-B alone (or
@@ -284,7 +286,6 @@ def fit_ude(ts, ys, t_end, width, steps, adam_steps, seed, progress):
     n_steps += result.n_steps
     fit = result.model
     # How well the network learned the interaction, along the true trajectory.
-    y_true = solve(LotkaVolterra(**TRUE_RATES), ts)
     x, z = y_true[:, 0], y_true[:, 1]
     truth = jnp.stack([-TRUE_RATES["beta"] * x * z, TRUE_RATES["delta"] * x * z], -1)
     learned = x[:, None] * z[:, None] * jax.vmap(fit.interaction)(y_true)
