@@ -24,14 +24,19 @@ _T = TypeVar("_T")
 
 class Interrupts:
     """The first Ctrl-C only sets `requested` (the loop stops after the running step);
-    it also restores the previous handler, so a second Ctrl-C interrupts at once."""
+    it also restores the previous handler, so a second Ctrl-C interrupts at once.
+    Only over Python's own handler: a process that ignores SIGINT (a shell's
+    background job) or handles it itself keeps its own behaviour."""
 
     def __init__(self):
         self.requested = False
         self._old = None
 
     def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
+        if (
+            threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        ):
             self._old = signal.signal(signal.SIGINT, self._handle)
         return self
 

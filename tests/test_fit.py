@@ -386,11 +386,16 @@ def test_ctrl_c_returns_the_best_point_so_far():
     assert float(loss(result.model, *xy())) == pytest.approx(result.loss, rel=1e-14)
 
 
-def test_real_sigint_stops_after_the_current_step():
-    # The handler the fit must give back: Python's own, or whatever the process had
-    # (a shell starts a background job with SIGINT ignored).
-    before = signal.getsignal(signal.SIGINT)
+@pytest.fixture
+def python_sigint():
+    """SIGINT with Python's own handler, as in a terminal (a shell starts a
+    background job, where the suite may run, with SIGINT ignored)."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
 
+
+def test_real_sigint_stops_after_the_current_step(python_sigint):
     def callback(step, value, model):
         if step == 3:
             os.kill(os.getpid(), signal.SIGINT)
@@ -405,10 +410,32 @@ def test_real_sigint_stops_after_the_current_step():
         callback=callback,
     )
     assert result.status == "interrupted" and result.n_steps == 3
-    assert signal.getsignal(signal.SIGINT) is before
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-def test_sigint_without_callback_or_checkpoint(tmp_path):
+def test_a_process_that_ignores_or_handles_sigint_keeps_its_behaviour():
+    # `fit` catches Ctrl-C only over Python's own handler: ignored stays ignored
+    # (every step runs), and a handler of the process's own is the one called.
+    seen = []
+
+    def callback(step, value, model):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    kwargs = dict(steps=6, args=xy(), progress=False, callback=callback)
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        for handler in (signal.SIG_IGN, lambda signum, frame: seen.append(signum)):
+            signal.signal(signal.SIGINT, handler)
+            result = sciflat.fit(loss, linear(), ADAM, **kwargs)
+            assert result.status == "completed" and result.n_steps == 6
+            assert signal.getsignal(signal.SIGINT) is handler
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert seen == [signal.SIGINT]
+
+
+def test_sigint_without_callback_or_checkpoint(tmp_path, python_sigint):
     # No callback and no checkpoint: step k+1 is dispatched before step k's loss is
     # read. Ctrl-C must still record every step run and leave a usable state.
     x, y = xy()
