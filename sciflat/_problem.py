@@ -92,7 +92,11 @@ def split_args(args: tuple, to_device: bool = True) -> tuple[list, Any]:
     puts them back (so a second fit with new data reuses the compiled functions).
     NumPy data is put on the device once here, not at every call of the fit; with
     `to_device=False` (a fit that is one call) `jax.jit` copies it at that call."""
-    dynamic, static = eqx.partition(args, eqx.is_array)
+    if type(args) is tuple and all(eqx.is_array(x) for x in args):
+        # The usual `args=(x, y)`: what `eqx.partition` gives, without its two walks.
+        dynamic, static = args, (None,) * len(args)
+    else:
+        dynamic, static = eqx.partition(args, eqx.is_array)
     leaves, treedef = jax.tree.flatten(dynamic)
     if to_device:
         leaves = [

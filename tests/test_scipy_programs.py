@@ -126,6 +126,22 @@ def test_a_changed_closed_over_container_is_seen_by_a_new_lambda():
         np.testing.assert_allclose(a, max(target), atol=1e-6)
 
 
+def test_args_of_arrays_split_as_any_args_do():
+    # `args=(x, y)` skips `eqx.partition`; its key must be the general one, so that
+    # both ways share compilations, and put the same arrays back.
+    import equinox as eqx
+
+    for args in [(np.ones(3), jnp.zeros(2)), (np.float64(2.0),), ()]:
+        leaves, rebuild = _problem.split_args(args, to_device=False)
+        dynamic, static = eqx.partition(args, eqx.is_array)
+        general = _problem._Rebuild(jax.tree.structure(dynamic), static)
+        assert rebuild == general and hash(rebuild) == hash(general)
+        assert all(a is b for a, b in zip(rebuild(leaves), args, strict=True))
+    # Not all arrays: the general way, the float in the key.
+    _, mixed = _problem.split_args((np.ones(3), 2.0), to_device=False)
+    assert mixed != _problem.split_args((np.ones(3), 3.0), to_device=False)[1]
+
+
 def test_a_static_argument_of_the_other_sign_is_another_compilation():
     # 0.0 == -0.0 (and hash alike), so keyed by value alone the second fit of the same
     # loss reused the first one's compilation, with +0.0 compiled in: the minimum of
