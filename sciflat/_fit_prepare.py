@@ -54,17 +54,6 @@ class Prepared:
     total: int | None  # for the progress bar
 
 
-def _placed(state: State, p, data) -> State:
-    """The state committed to `p`'s devices where anything the step reads is
-    committed (else its outputs would be and its second call compile again); all
-    uncommitted stays uncommitted, so that the fitted model calls a compiled function
-    as the start model did (`jax.jit` keys on commitment)."""
-    leaves = jax.tree.leaves((state, data))
-    if any(isinstance(x, jax.Array) and x.committed for x in leaves):
-        return place(state, p)
-    return state
-
-
 def prepare(
     loss,
     model,
@@ -119,7 +108,7 @@ def prepare(
         re=re,
         step=step,
         value=value,
-        state=_placed(carry.state, p, (dynamic_args, first)),
+        state=place(carry.state, p, (dynamic_args, first)),
         carry=carry,
         feed=feed,
         dynamic_args=dynamic_args,
