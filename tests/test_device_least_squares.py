@@ -171,6 +171,28 @@ def test_batch_equals_single_fits_and_finished_fits_are_not_moved(batch, replica
     np.testing.assert_allclose(batch.stderr["b2"], batch.stderr_flat[:, 1])
 
 
+@pytest.mark.slow  # a batch program for 1,000 slots: 2-3 s
+def test_a_large_batch_equals_its_single_fits():
+    # XLA reduces a batch of 1,000 in another order than one vector, and contracts
+    # a product and an add into an FMA in one and not the other: with `jnp.sum` and
+    # `@` in the loop, 66 of 334 fits ended more than 1e-10 from their single fits
+    # (up to 1.5e-8, some after another number of evaluations). `_lm._sum` fixes
+    # the order of every sum in the loop.
+    rng = np.random.default_rng(1)
+    ys = MISRA.y + 0.1 * rng.standard_normal((1000, len(MISRA.y)))
+    batch = sciflat.least_squares_batch(
+        MISRA.residuals,
+        MISRA.start(1),
+        args=(MISRA.x,),
+        batch_args=(ys,),
+        progress=False,
+    )
+    for i in range(0, 1000, 7):
+        single = _single(ys[i], MISRA.starts[0], method="device")
+        assert batch.n_evaluations[i] == single.n_evaluations, i
+        np.testing.assert_allclose(batch.p[i], single.p, rtol=1e-10, atol=0)
+
+
 @pytest.mark.slow  # compiles the whole fit: 2-4 s on 2 quiet cores
 def test_failed_fits_are_reported_by_index(batch, replicates):
     assert batch.failed == [3, 5]
