@@ -376,14 +376,18 @@ def _build(kind, residuals, re, rebuild, mode: str) -> Callable:
     starting from its `x0`."""
     n_shared, n_devices = map(int, kind.split(":")[1:])
     r = dls.residual_fn(residuals, re, rebuild)
+    # Several CPU devices run their loops at once on XLA's thread pool, where
+    # jaxlib's batched LAPACK calls can wait on each other for ever: one matrix at a
+    # time there (`_lm.one_at_a_time`).
+    serial = n_devices > 1 and jax.default_backend() == "cpu"
 
     def one(state, fresh, x0, turns, opts, shared, batched):
         leaves = [*shared, *batched]
         both = dls.with_jacobian(lambda x: r(x, leaves), mode)
         start = _lm.initial_state(both, x0, opts, 1)
         state = jax.tree.map(lambda a, b: jnp.where(fresh, a, b), start, state)
-        state = _lm.advance(both, state, opts, turns)
-        return state, dls.outputs(state)
+        state = _lm.advance(both, state, opts, turns, serial)
+        return state, dls.outputs(state, serial)
 
     def many(states, fresh, x0s, turns, opts, shared, batched):
         over = (0, 0, 0, None, None, None, 0)

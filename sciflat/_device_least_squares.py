@@ -162,16 +162,17 @@ def _unpack(packed: np.ndarray, n: int, n_history: int) -> dict:
     return out
 
 
-def outputs(state: _lm.State) -> dict:
+def outputs(state: _lm.State, serial: bool = False) -> dict:
     """What the host needs of one finished fit. The covariance is computed here, on
     the device, as `from_jacobian` computes it for a Jacobian of full rank (an SVD
     of the column-scaled Jacobian); `full` says whether it has full rank, and the
-    host computes it again (naming the undetermined directions) where not."""
+    host computes it again (naming the undetermined directions) where not.
+    `serial`: under `vmap`, the SVDs one at a time (`_lm.one_at_a_time`)."""
     jac = state.jac
     m, n = jac.shape
     d = jnp.sqrt(jnp.sum(jac * jac, axis=0))
     d = jnp.where(d > 0, d, 1.0)
-    _, s, vt = _lm.svd(jac / d)
+    _, s, vt = (_lm.one_at_a_time(_lm.svd) if serial else _lm.svd)(jac / d)
     values = s**2
     cutoff = _rank_cutoff((m, n)) ** 2 * jnp.max(values)
     full = jnp.all(values > jnp.maximum(cutoff, np.finfo(np.float64).tiny))

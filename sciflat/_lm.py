@@ -139,13 +139,19 @@ def _finite(f, jac):
     return jnp.all(jnp.isfinite(f)) & jnp.all(jnp.isfinite(jac))
 
 
-def _decompose(jac, f, diag):
+def _decompose(jac, f, diag, serial: bool = False):
     """The scaled Jacobian `J D⁻¹ = U S Vᵀ` (a QR, then an SVD of the n × n `R`):
-    `(s, V, g = Uᵀ f)`."""
+    `(s, V, g = Uᵀ f)`. `serial`: under `vmap`, one matrix at a time
+    (`one_at_a_time`)."""
     n = jac.shape[1]
-    r = jnp.linalg.qr(jnp.concatenate([jac / diag, f[:, None]], axis=1), mode="r")
-    ur, s, vt = svd(r[:n, :n])
+    qr = one_at_a_time(_qr_r) if serial else _qr_r
+    r = qr(jnp.concatenate([jac / diag, f[:, None]], axis=1))
+    ur, s, vt = (one_at_a_time(svd) if serial else svd)(r[:n, :n])
     return s, vt.T, _sum(ur * r[:n, n, None])
+
+
+def _qr_r(a):
+    return jnp.linalg.qr(a, mode="r")
 
 
 def svd(a):
@@ -155,6 +161,31 @@ def svd(a):
     cpu = jax.default_backend() == "cpu"
     algorithm = jax.lax.linalg.SvdAlgorithm.QR if cpu else None
     return jax.lax.linalg.svd(a, full_matrices=False, algorithm=algorithm)
+
+
+def one_at_a_time(fn: Callable) -> Callable:
+    """`fn` (of arrays), which `jax.vmap` calls on one member of the batch at a time
+    (a `lax.map`) rather than once on the stacked batch.
+
+    For LAPACK's decompositions in a program that several CPU devices run at once:
+    jaxlib 0.10's batched LAPACK kernels split a batch over XLA's intra-op thread
+    pool and wait for the pieces on the pool thread they run on; once every pool
+    thread runs a device's program, each waits for pieces no thread is left to run,
+    and the program hangs (`least_squares_batch` of Misra1a, 1,000 fits on 2 CPU
+    devices, on 2 cores). A batch of one matrix is not split. The same LAPACK call
+    on each matrix, so the same numbers."""
+    wrapped = jax.custom_batching.custom_vmap(fn)
+
+    @wrapped.def_vmap
+    def _rule(axis_size, in_batched, *args):
+        args = tuple(
+            a if batched else jnp.broadcast_to(a, (axis_size, *jnp.shape(a)))
+            for a, batched in zip(args, in_batched, strict=True)
+        )
+        out = jax.lax.map(lambda xs: fn(*xs), args)
+        return out, jax.tree.map(lambda _: True, out)
+
+    return wrapped
 
 
 def _lmpar(s, g, delta, par, m):
@@ -248,10 +279,13 @@ def initial_state(f_and_jac: Callable, x0, options: Options, history: int) -> St
     )
 
 
-def trial(f_and_jac: Callable, state: State, options: Options) -> State:
-    """One trial step of `lmder`'s inner loop, and its acceptance and tests."""
+def trial(
+    f_and_jac: Callable, state: State, options: Options, serial: bool = False
+) -> State:
+    """One trial step of `lmder`'s inner loop, and its acceptance and tests
+    (`serial`: see `_decompose`)."""
     m = state.f.shape[0]
-    s, v, g = _decompose(state.jac, state.f, state.diag)
+    s, v, g = _decompose(state.jac, state.f, state.diag, serial)
     first = state.njev == 1  # MINPACK's `iter == 1`: no step accepted yet
     par, a = _lmpar(s, g, state.delta, state.par, m)
     pnorm = _norm(a)
@@ -344,14 +378,17 @@ def solve(f_and_jac: Callable, x0, options: Options, history: int = 1) -> State:
     return advance(f_and_jac, state, options, np.iinfo(np.int32).max)
 
 
-def advance(f_and_jac: Callable, state: State, options: Options, turns) -> State:
+def advance(
+    f_and_jac: Callable, state: State, options: Options, turns, serial: bool = False
+) -> State:
     """At most `turns` more trials of a running fit (a finished fit is returned
     unchanged): the loop of `solve`, also run in pieces by a batch whose host starts
-    new fits in the slots of finished ones. Traceable and `vmap`-able."""
+    new fits in the slots of finished ones. Traceable and `vmap`-able; `serial`:
+    under `vmap`, its decompositions one matrix at a time (`one_at_a_time`)."""
 
     def body(carry):
         st, i = carry
-        return trial(f_and_jac, st, options), i + 1
+        return trial(f_and_jac, st, options, serial), i + 1
 
     return jax.lax.while_loop(
         lambda c: (c[0].info == 0) & (c[1] < turns), body, (state, 0)
