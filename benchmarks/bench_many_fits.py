@@ -17,6 +17,12 @@ Three tables (docs/many_fits.md):
     python benchmarks/bench_many_fits.py --many --ks 10 100 1000 10000
     python benchmarks/bench_many_fits.py --many --cases spot --ks 100000 --loop 50
 
+3. `--devices`, with `--cpu-devices N` (JAX's CPU as N devices, one thread each): the
+   same batches on one device (`shard=False`) and split over the N (`shard=True`),
+   interleaved in one process, medians, and whether both give the same fits.
+
+    python benchmarks/bench_many_fits.py --devices --cpu-devices 2 --ks 1000 10000
+
 Each figure is a median over `--repeats` (the batch: `--batch-repeats`) runs in one
 process; on a shared machine the ratios move by tens of percent: say so with them.
 """
@@ -262,10 +268,55 @@ def many(cases: list[str], ks: list[int], loop: int, repeats: int, chunk) -> Non
             )
 
 
+def devices(cases: list[str], ks: list[int], repeats: int) -> None:
+    """The batch on one device against the batch split over every device."""
+    n = jax.device_count()
+    print(f"JAX devices: {jax.devices()}")
+    if n < 2:
+        raise SystemExit("--devices needs several devices: add --cpu-devices N.")
+    print(
+        f"| case | K | one device s | {n} devices s | speed-up | same fits (1e-10) |\n"
+        "|---|---:|---:|---:|---:|---|"
+    )
+    for name in cases:
+        make = misra_case if name == "misra" else spot_case
+        for k in ks:
+            case = make(k, np.random.default_rng(1))
+            run = lambda shard, case=case: sciflat.least_squares_batch(
+                case["residuals"],
+                case["model"],
+                args=case["args"],
+                batch_args=(case["data"],),
+                starts=case["starts"],
+                progress=False,
+                shard=shard,
+                **case["options"],
+            )
+            out = {shard: run(shard) for shard in (False, True)}  # compiles
+            times: dict[bool, list[float]] = {False: [], True: []}
+            for _ in range(repeats):
+                for shard in (False, True):
+                    times[shard].append(_timed(lambda s=shard, r=run: r(s)))
+            one, many_ = (statistics.median(times[s]) for s in (False, True))
+            same = np.allclose(out[True].p, out[False].p, rtol=1e-10, atol=0)
+            print(
+                f"| {name} | {k} | {one:.3f} | {many_:.3f} | {one / many_:.2f}× "
+                f"| {'yes' if same else 'NO'} |",
+                flush=True,
+            )
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--single", action="store_true")
     parser.add_argument("--many", action="store_true")
+    parser.add_argument("--devices", action="store_true")
+    parser.add_argument(
+        "--cpu-devices",
+        type=int,
+        default=0,
+        help="JAX's CPU as this many devices (jax_num_cpu_devices); 0: JAX's default",
+    )
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--batch-repeats", type=int, default=3)
     parser.add_argument("--cases", nargs="*", default=["misra", "spot"])
@@ -280,12 +331,17 @@ def main(argv=None) -> None:
         "SciPy path limits them to 1 itself); 0: leave them alone",
     )
     args = parser.parse_args(argv)
+    if args.cpu_devices:
+        jax.config.update("jax_num_cpu_devices", args.cpu_devices)
     print(f"jax {jax.__version__}, lmfit {lmfit.__version__}, {jax.default_backend()}")
     if args.blas_threads:
         from threadpoolctl import threadpool_limits
 
         threadpool_limits(args.blas_threads, user_api="blas")
         print(f"BLAS threads limited to {args.blas_threads}")
+    if args.devices:
+        devices(args.cases, args.ks, args.batch_repeats)
+        return
     if args.single or not args.many:
         single(args.repeats)
     if args.many or not args.single:
