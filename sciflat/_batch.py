@@ -370,10 +370,10 @@ def _place(tree, devices):
 
 
 def _build(kind, residuals, re, rebuild, mode: str) -> Callable:
-    """`(states, fresh, x0s, turns, options, leaves) -> (states, outputs)`: `vmap`
-    over the slots of a pool (and the batched leaves, those after the first
-    `n_shared`) of up to `turns` turns of each slot's fit, a `fresh` slot first
-    starting from its `x0`."""
+    """`(states, fresh, x0s, turns, options, leaves) -> (states, outputs)`: up to
+    `turns` turns of each slot's fit in a pool (a `fresh` slot first starting from
+    its `x0`), each turn one `vmap` of a trial over the slots and the batched leaves
+    (those after the first `n_shared`): `_lm.advance_all`."""
     n_shared, n_devices = map(int, kind.split(":")[1:])
     r = dls.residual_fn(residuals, re, rebuild)
     # Several CPU devices run their loops at once on XLA's thread pool, where
@@ -381,19 +381,24 @@ def _build(kind, residuals, re, rebuild, mode: str) -> Callable:
     # time there (`_lm.one_at_a_time`).
     serial = n_devices > 1 and jax.default_backend() == "cpu"
 
-    def one(state, fresh, x0, turns, opts, shared, batched):
-        leaves = [*shared, *batched]
-        both = dls.with_jacobian(lambda x: r(x, leaves), mode)
+    def begin(state, fresh, x0, opts, shared, batched):
+        both = dls.with_jacobian(lambda x: r(x, [*shared, *batched]), mode)
         start = _lm.initial_state(both, x0, opts, 1)
-        state = jax.tree.map(lambda a, b: jnp.where(fresh, a, b), start, state)
-        state = _lm.advance(both, state, opts, turns, serial)
-        return state, dls.outputs(state, serial)
+        return jax.tree.map(lambda a, b: jnp.where(fresh, a, b), start, state)
+
+    def step(state, opts, shared, batched):
+        both = dls.with_jacobian(lambda x: r(x, [*shared, *batched]), mode)
+        return _lm.trial(both, state, opts, serial)
 
     def many(states, fresh, x0s, turns, opts, shared, batched):
-        over = (0, 0, 0, None, None, None, 0)
-        return jax.vmap(one, in_axes=over)(
-            states, fresh, x0s, turns, opts, shared, batched
+        states = jax.vmap(begin, in_axes=(0, 0, 0, None, None, 0))(
+            states, fresh, x0s, opts, shared, batched
         )
+        trials = lambda st: jax.vmap(step, in_axes=(0, None, None, 0))(
+            st, opts, shared, batched
+        )
+        states = _lm.advance_all(trials, states, turns)
+        return states, jax.vmap(lambda st: dls.outputs(st, serial))(states)
 
     def fit(states, fresh, x0s, turns, opts, leaves):
         shared, batched = leaves[:n_shared], leaves[n_shared:]

@@ -282,9 +282,11 @@ def initial_state(f_and_jac: Callable, x0, options: Options, history: int) -> St
 def trial(
     f_and_jac: Callable, state: State, options: Options, serial: bool = False
 ) -> State:
-    """One trial step of `lmder`'s inner loop, and its acceptance and tests
-    (`serial`: see `_decompose`)."""
+    """One trial step of `lmder`'s inner loop, and its acceptance and tests. A
+    finished fit (`info` not 0) is returned as it is, so that a batch can run every
+    member's trial at every turn (`advance_all`). `serial`: see `_decompose`."""
     m = state.f.shape[0]
+    running = state.info == 0
     s, v, g = _decompose(state.jac, state.f, state.diag, serial)
     first = state.njev == 1  # MINPACK's `iter == 1`: no step accepted yet
     par, a = _lmpar(s, g, state.delta, state.par, m)
@@ -316,14 +318,14 @@ def trial(
         jnp.where(grow, pnorm / 0.5, delta),
     )
     par = jnp.where(bad, par / shrink, jnp.where(grow, 0.5 * par, par))
-    accept = (ratio >= 1e-4) & ok
+    accept = (ratio >= 1e-4) & ok & running
     pick = lambda new, old: jnp.where(accept, new, old)
     x = pick(x_new, state.x)
     f = pick(f_new, state.f)
     jac = pick(jac_new, state.jac)
     fnorm = pick(fnorm1, fnorm)
     xnorm = pick(_norm(state.diag * x_new), state.xnorm)
-    nfev = state.nfev + 1
+    nfev = state.nfev + running.astype(jnp.int32)
     njev = state.njev + accept.astype(jnp.int32)
     # The tests, in MINPACK's order.
     ftol_ok = (
@@ -354,19 +356,21 @@ def trial(
     at = jnp.minimum(njev - 1, history.shape[0] - 1)
     # One entry written in place (a `where` of the whole history would copy it).
     history = history.at[at].set(jnp.where(accept, 0.5 * fnorm**2, history[at]))
+    # What the accepted step does not already keep (`pick`) of a finished fit.
+    keep = lambda new, old: jnp.where(running, new, old)
     return State(
         x=x,
         f=f,
         jac=jac,
         fnorm=fnorm,
         diag=diag,
-        delta=delta,
-        par=par,
+        delta=keep(delta, state.delta),
+        par=keep(par, state.par),
         xnorm=xnorm,
         gnorm=gnorm,
         nfev=nfev,
         njev=njev,
-        info=info.astype(jnp.int32),
+        info=keep(info, state.info).astype(jnp.int32),
         history=history,
     )
 
@@ -392,6 +396,25 @@ def advance(
 
     return jax.lax.while_loop(
         lambda c: (c[0].info == 0) & (c[1] < turns), body, (state, 0)
+    )[0]
+
+
+def advance_all(trials: Callable[[State], State], states: State, turns) -> State:
+    """`advance` of a batch of fits (`states`, stacked): at most `turns` turns of
+    `trials` (one `trial` of every member, e.g. its `vmap`), while any member runs.
+
+    A finished member is left as it is by `trial` itself, so the loop carries the
+    batch whole: `vmap` of `advance` would select between the old and the new state
+    of every member at every turn, a copy of every Jacobian (Gpufit's spots, 722
+    members: 13.3 µs a member and turn against 9.7 without the copy). Each member
+    takes exactly the turns it would take alone."""
+
+    def body(carry):
+        st, i = carry
+        return trials(st), i + 1
+
+    return jax.lax.while_loop(
+        lambda c: jnp.any(c[0].info == 0) & (c[1] < turns), body, (states, 0)
     )[0]
 
 
