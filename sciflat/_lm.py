@@ -105,15 +105,19 @@ def _sum(x, axis: int = 0):
     `jnp.sum(x * x)`, the fits of a batch of 1,000 (NIST's Misra1a, noisy replicates)
     left their single fits in the last bits of every norm, and 66 of 334 ended more
     than 1e-10 apart (up to 1.5e-8, some after another number of evaluations). So:
-    pairwise adds by halving, elementwise; and the terms pass through `min(x, max
-    float)` first, which leaves every finite term as it is (a term of +inf becomes
-    the largest float) and is not a product, so no add is contracted with one."""
-    x = jnp.minimum(jnp.moveaxis(x, axis, 0), _HUGE)
+    zeros up to a power of two (adding one changes no sum), then elementwise adds of
+    halves; the terms first pass through a `where` that caps them at the largest
+    float (every finite term as it is; +inf becomes that float), which is not a
+    product, so no add is contracted with one. (`jnp.minimum` does the same but
+    made DanWood's single fit 1.2x slower; the `where` costs nothing measurable.)"""
+    x = jnp.moveaxis(x, axis, 0)
+    x = jnp.where(x > _HUGE, _HUGE, x)
     if x.shape[0] == 0:
         return jnp.zeros(x.shape[1:], x.dtype)
+    size = 1 << (x.shape[0] - 1).bit_length()
+    x = jnp.pad(x, [(0, size - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
     while x.shape[0] > 1:
-        half = x.shape[0] // 2
-        x = jnp.concatenate([x[:half] + x[half : 2 * half], x[2 * half :]])
+        x = x[: x.shape[0] // 2] + x[x.shape[0] // 2 :]
     return x[0]
 
 
