@@ -218,6 +218,20 @@ def loop_per_fit(case, n: int, repeats: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in per.items()}
 
 
+def _batch(case: dict, **kwargs) -> sciflat.BatchResult:
+    """The case's K fits as one `least_squares_batch`."""
+    return sciflat.least_squares_batch(
+        case["residuals"],
+        case["model"],
+        args=case["args"],
+        batch_args=(case["data"],),
+        starts=case["starts"],
+        progress=False,
+        **case["options"],
+        **kwargs,
+    )
+
+
 def many(cases: list[str], ks: list[int], loop: int, repeats: int, chunk) -> None:
     print(f"JAX devices: {jax.devices()}")
     for name in cases:
@@ -238,16 +252,7 @@ def many(cases: list[str], ks: list[int], loop: int, repeats: int, chunk) -> Non
         print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for k in ks:
             case = make(k, np.random.default_rng(1))
-            run = lambda case=case: sciflat.least_squares_batch(
-                case["residuals"],
-                case["model"],
-                args=case["args"],
-                batch_args=(case["data"],),
-                starts=case["starts"],
-                progress=False,
-                chunk_size=chunk,
-                **case["options"],
-            )
+            run = lambda case=case: _batch(case, chunk_size=chunk)
             t0 = time.perf_counter()
             run()
             first = time.perf_counter() - t0
@@ -282,16 +287,7 @@ def devices(cases: list[str], ks: list[int], repeats: int) -> None:
         make = misra_case if name == "misra" else spot_case
         for k in ks:
             case = make(k, np.random.default_rng(1))
-            run = lambda shard, case=case: sciflat.least_squares_batch(
-                case["residuals"],
-                case["model"],
-                args=case["args"],
-                batch_args=(case["data"],),
-                starts=case["starts"],
-                progress=False,
-                shard=shard,
-                **case["options"],
-            )
+            run = lambda shard, case=case: _batch(case, shard=shard)
             out = {shard: run(shard) for shard in (False, True)}  # compiles
             times: dict[bool, list[float]] = {False: [], True: []}
             for _ in range(repeats):

@@ -59,17 +59,21 @@ def replicates():
     return ys, starts
 
 
-@pytest.fixture(scope="module")
-def batch(replicates):
-    ys, starts = replicates
+def _misra_batch(ys, **kwargs):
     return sciflat.least_squares_batch(
         MISRA.residuals,
         MISRA.start(1),
         args=(MISRA.x,),
         batch_args=(ys,),
-        starts=starts,
         progress=False,
+        **kwargs,
     )
+
+
+@pytest.fixture(scope="module")
+def batch(replicates):
+    ys, starts = replicates
+    return _misra_batch(ys, starts=starts)
 
 
 def _single(y, start, **kwargs):
@@ -180,13 +184,7 @@ def test_a_large_batch_equals_its_single_fits():
     # the order of every sum in the loop.
     rng = np.random.default_rng(1)
     ys = MISRA.y + 0.1 * rng.standard_normal((1000, len(MISRA.y)))
-    batch = sciflat.least_squares_batch(
-        MISRA.residuals,
-        MISRA.start(1),
-        args=(MISRA.x,),
-        batch_args=(ys,),
-        progress=False,
-    )
+    batch = _misra_batch(ys)
     for i in range(0, 1000, 7):
         single = _single(ys[i], MISRA.starts[0], method="device")
         assert batch.n_evaluations[i] == single.n_evaluations, i
@@ -381,15 +379,7 @@ def test_multistart_with_the_device_method_is_one_batch():
 @pytest.mark.slow  # a compilation for the chunk's shape and one with a transform
 def test_chunks_and_transforms_equal_the_whole_batch(batch, replicates):
     ys, starts = replicates
-    chunked = sciflat.least_squares_batch(
-        MISRA.residuals,
-        MISRA.start(1),
-        args=(MISRA.x,),
-        batch_args=(ys,),
-        starts=starts,
-        chunk_size=5,
-        progress=False,
-    )
+    chunked = _misra_batch(ys, starts=starts, chunk_size=5)
     assert chunked.status == batch.status
     # Five slots for twelve fits, each slot taking the next fit when its own ends,
     # fits running across several visits of the host: every fit as in the batch.
