@@ -8,6 +8,7 @@ Jacobians), never K².
 """
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
@@ -224,6 +225,9 @@ def least_squares_batch(
     - `mode`: the Jacobian's mode, as in `least_squares`.
     - `filter_spec`: as in `least_squares`.
     - `shard`: split the batch over `jax.devices()` (default: when there are several).
+        On a CPU, a `residuals` that calls LAPACK itself (`jnp.linalg.solve`, ...)
+        runs its slots one at a time, as jaxlib 0.10 can hang on batches of LAPACK
+        calls there.
     - `chunk_size`: the number of slots that run at once (one compilation for any
         K): each slot takes the next fit when its own has finished, so a slow fit
         holds only its slot. Default: all at once on an accelerator; on a CPU, about
@@ -250,12 +254,16 @@ def least_squares_batch(
     if shard and len(devices) == 1:
         devices = jax.devices()  # one device: nothing to split
     m = _n_residuals(residuals, re, args, data, x0s[0])
+    first = (*args, *_member(data, 0))
+    lapack = jax.default_backend() == "cpu" and _calls_lapack(
+        residuals, re, first, x0s[0]
+    )
     if chunk_size is None:
         chunk_size = _auto_chunk(m, len(re))
     size = k if chunk_size is None else max(1, min(int(chunk_size), k))
     size = -(-size // len(devices)) * len(devices)  # a multiple of the device count
     transforms = has_transforms(model)
-    fits = (residuals, re, args, data, x0s, m, transforms)
+    fits = (residuals, re, args, data, x0s, m, transforms, lapack)
     bar = progress_bar(enabled=progress and k > size, desc=_WHO, unit="fit", total=k)
     try:
         host, how = _run_pool(fits, opts, mode, size, devices, bar)
@@ -277,7 +285,7 @@ def _run_pool(fits: tuple, opts, mode, size: int, devices, bar) -> tuple[dict, s
     turns of each slot's fit; the host then collects the fits that finished and puts
     the next ones in their slots. Each fit's turns are those of `_lm.solve` (its state
     never leaves the device between visits), so it equals the single fit."""
-    residuals, re, args, data, x0s, m, transforms = fits
+    residuals, re, args, data, x0s, m, transforms, lapack = fits
     k, n = x0s.shape
     n_shared = len(split_args(args)[0])
     states: Any = _lm.empty_states(size, n, m)
@@ -305,7 +313,7 @@ def _run_pool(fits: tuple, opts, mode, size: int, devices, bar) -> tuple[dict, s
             programs = Programs(
                 _build, residuals, re, (*args, *placed[3]), to_device=False
             )
-            kind = f"pool:{n_shared}:{len(devices)}"
+            kind = f"pool:{n_shared}:{len(devices)}:{int(lapack)}"
             fn, used = programs.first_working(
                 kind, choose_modes(mode, True), *placed[:3], turns, opts
             )
@@ -344,10 +352,48 @@ def _auto_chunk(m: int, n: int) -> int | None:
     return max(64, _CPU_CHUNK_BYTES // (8 * max(m, 1) * (n + 1)))
 
 
+def _member(data: tuple, i: int) -> tuple:
+    return jax.tree.map(lambda a: a[i], data)
+
+
+# `jax.lax.linalg`'s primitives: on a CPU, calls of LAPACK.
+_LAPACK = frozenset(
+    "cholesky cholesky_update eig eigh geqp3 geqrf hessenberg householder_product lu "
+    "ormqr qr schur svd symmetric_product triangular_solve tridiagonal "
+    "tridiagonal_solve".split()
+)
+
+
+def _calls_lapack(residuals, re, first: tuple, x0) -> bool:
+    """Whether `residuals` calls LAPACK itself (`jnp.linalg`, `jax.scipy.linalg`).
+
+    `vmap` would batch those calls, and jaxlib 0.10 splits a large batched LAPACK
+    call over XLA's thread pool and waits for it on the pool thread it runs on: two
+    such calls at once (two triangular solves of `jnp.linalg.solve`, or two devices'
+    loops) hold every thread of a 2-core machine and hang (an 8 × 8 solve in the
+    residuals, 4,000 fits, one CPU device). Then the pool runs its slots one at a
+    time (`_over_slots`)."""
+    jaxpr = jax.make_jaxpr(lambda x: residuals(re(x), *first))(x0)
+    return bool(_primitives(jaxpr.jaxpr) & _LAPACK)
+
+
+def _primitives(jaxpr) -> set[str]:
+    """The names of every primitive in `jaxpr` and in the jaxprs inside it."""
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's own jaxpr
+                if hasattr(sub, "eqns"):
+                    names |= _primitives(sub)
+    return names
+
+
 def _n_residuals(residuals, re, args, data, x0) -> int:
     """The number of residuals of one fit (its first), checked against `n`: traced
     once per signature, as the fits' programs are (`Programs`)."""
-    first = (*args, *jax.tree.map(lambda a: a[0], data))
+    first = (*args, *_member(data, 0))
     programs = Programs(_residuals, residuals, re, first, to_device=False)
     programs.get("residuals", "none", x0)
     m = programs.out_info["residuals"].shape[0]
@@ -374,12 +420,14 @@ def _build(kind, residuals, re, rebuild, mode: str) -> Callable:
     `turns` turns of each slot's fit in a pool (a `fresh` slot first starting from
     its `x0`), each turn one `vmap` of a trial over the slots and the batched leaves
     (those after the first `n_shared`): `_lm.advance_all`."""
-    n_shared, n_devices = map(int, kind.split(":")[1:])
+    n_shared, n_devices, lapack = map(int, kind.split(":")[1:])
     r = dls.residual_fn(residuals, re, rebuild)
     # Several CPU devices run their loops at once on XLA's thread pool, where
     # jaxlib's batched LAPACK calls can wait on each other for ever: one matrix at a
-    # time there (`_lm.one_at_a_time`).
+    # time there (`_lm.one_at_a_time`), and one slot at a time where the residuals
+    # call LAPACK themselves (`_calls_lapack`).
     serial = n_devices > 1 and jax.default_backend() == "cpu"
+    slots = functools.partial(_over_slots, one_by_one=bool(lapack))
 
     def begin(state, fresh, x0, opts, shared, batched):
         both = dls.with_jacobian(lambda x: r(x, [*shared, *batched]), mode)
@@ -391,14 +439,12 @@ def _build(kind, residuals, re, rebuild, mode: str) -> Callable:
         return _lm.trial(both, state, opts, serial)
 
     def many(states, fresh, x0s, turns, opts, shared, batched):
-        states = jax.vmap(begin, in_axes=(0, 0, 0, None, None, 0))(
+        states = slots(begin, (0, 0, 0, None, None, 0))(
             states, fresh, x0s, opts, shared, batched
         )
-        trials = lambda st: jax.vmap(step, in_axes=(0, None, None, 0))(
-            st, opts, shared, batched
-        )
+        trials = lambda st: slots(step, (0, None, None, 0))(st, opts, shared, batched)
         states = _lm.advance_all(trials, states, turns)
-        return states, jax.vmap(lambda st: dls.outputs(st, serial))(states)
+        return states, slots(lambda st: dls.outputs(st, serial), (0,))(states)
 
     def fit(states, fresh, x0s, turns, opts, leaves):
         shared, batched = leaves[:n_shared], leaves[n_shared:]
@@ -416,6 +462,25 @@ def _build(kind, residuals, re, rebuild, mode: str) -> Callable:
         )(states, fresh, x0s, turns, opts, shared, batched)
 
     return fit
+
+
+def _over_slots(fn: Callable, in_axes: tuple, one_by_one: bool) -> Callable:
+    """`jax.vmap(fn, in_axes)` over the slots (`in_axes` of 0 or None), or, where
+    `one_by_one`, a `lax.map`: each slot computed as a single fit is, its LAPACK
+    calls never batched (`_calls_lapack`)."""
+    if not one_by_one:
+        return jax.vmap(fn, in_axes=in_axes)
+
+    def mapped(*args):
+        pairs = list(zip(args, in_axes, strict=True))
+
+        def one(sliced):
+            it = iter(sliced)
+            return fn(*(next(it) if ax == 0 else a for a, ax in pairs))
+
+        return jax.lax.map(one, tuple(a for a, ax in pairs if ax == 0))
+
+    return mapped
 
 
 def _result(h: dict, re, x0s, max_nfev: int, how: str, transforms: bool) -> BatchResult:

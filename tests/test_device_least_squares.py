@@ -411,6 +411,7 @@ def _single_model(model, y):
 _SHARDED = """
 import json, sys
 import jax
+import jax.numpy as jnp
 import numpy as np
 jax.config.update("jax_enable_x64", True)
 sys.path.insert(0, "benchmarks")
@@ -423,7 +424,20 @@ run = lambda shard: sciflat.least_squares_batch(
     p.residuals, p.start(1), args=(p.x,), batch_args=(ys,), shard=shard,
     progress=False)
 a, b = run(True), run(False)
+# A residual that calls LAPACK itself (an LU solve, 8 x 8): batched, its two triangular
+# solves held both threads of XLA's pool and hung even on one device; its slots
+# run one at a time.
+A = 3 * np.eye(8) + 0.1 * np.random.default_rng(2).standard_normal((8, 8))
+solved = lambda m, y: jnp.linalg.solve(A + 0.01 * jnp.outer(m["v"], m["v"]), m["v"]) - y
+yl = np.random.default_rng(3).standard_normal((4000, 8))
+lin = lambda shard: sciflat.least_squares_batch(
+    solved, {"v": np.zeros(8)}, batch_args=(yl,), shard=shard, progress=False)
+la, lb = lin(True), lin(False)
+lone = sciflat.least_squares(solved, {"v": np.zeros(8)}, args=(yl[17],),
+                             method="device")
 print(json.dumps({"devices": jax.device_count(), "status": [a.status, b.status],
+                  "lapack": [la.p[17].tolist(), lb.p[17].tolist(),
+                             np.asarray(lone.p).tolist(), int(la.converged.sum())],
                   "p": [a.p.tolist(), b.p.tolist()],
                   "stderr": [np.nan_to_num(a.stderr_flat).tolist(),
                              np.nan_to_num(b.stderr_flat).tolist()],
@@ -446,3 +460,7 @@ def test_sharded_over_four_devices_equals_unsharded():
     np.testing.assert_allclose(out["p"][0], out["p"][1], rtol=1e-10)
     np.testing.assert_allclose(out["stderr"][0], out["stderr"][1], rtol=1e-10)
     assert out["nfev"][0] == out["nfev"][1]
+    sharded, unsharded, single, converged = out["lapack"]
+    assert converged == 4000
+    np.testing.assert_allclose(sharded, single, rtol=1e-10)
+    np.testing.assert_allclose(unsharded, single, rtol=1e-10)
