@@ -254,16 +254,12 @@ def least_squares_batch(
     if shard and len(devices) == 1:
         devices = jax.devices()  # one device: nothing to split
     m = _n_residuals(residuals, re, args, data, x0s[0])
-    first = (*args, *_member(data, 0))
-    lapack = jax.default_backend() == "cpu" and _calls_lapack(
-        residuals, re, first, x0s[0]
-    )
     if chunk_size is None:
         chunk_size = _auto_chunk(m, len(re))
     size = k if chunk_size is None else max(1, min(int(chunk_size), k))
     size = -(-size // len(devices)) * len(devices)  # a multiple of the device count
     transforms = has_transforms(model)
-    fits = (residuals, re, args, data, x0s, m, transforms, lapack)
+    fits = (residuals, re, args, data, x0s, m, transforms)
     bar = progress_bar(enabled=progress and k > size, desc=_WHO, unit="fit", total=k)
     try:
         host, how = _run_pool(fits, opts, mode, size, devices, bar)
@@ -285,7 +281,7 @@ def _run_pool(fits: tuple, opts, mode, size: int, devices, bar) -> tuple[dict, s
     turns of each slot's fit; the host then collects the fits that finished and puts
     the next ones in their slots. Each fit's turns are those of `_lm.solve` (its state
     never leaves the device between visits), so it equals the single fit."""
-    residuals, re, args, data, x0s, m, transforms, lapack = fits
+    residuals, re, args, data, x0s, m, transforms = fits
     k, n = x0s.shape
     n_shared = len(split_args(args)[0])
     states: Any = _lm.empty_states(size, n, m)
@@ -313,7 +309,7 @@ def _run_pool(fits: tuple, opts, mode, size: int, devices, bar) -> tuple[dict, s
             programs = Programs(
                 _build, residuals, re, (*args, *placed[3]), to_device=False
             )
-            kind = f"pool:{n_shared}:{len(devices)}:{int(lapack)}"
+            kind = f"pool:{n_shared}:{len(devices)}"
             fn, used = programs.first_working(
                 kind, choose_modes(mode, True), *placed[:3], turns, opts
             )
@@ -364,7 +360,7 @@ _LAPACK = frozenset(
 )
 
 
-def _calls_lapack(residuals, re, first: tuple, x0) -> bool:
+def _calls_lapack(fn: Callable, x) -> bool:
     """Whether `residuals` calls LAPACK itself (`jnp.linalg`, `jax.scipy.linalg`).
 
     `vmap` would batch those calls, and jaxlib 0.10 splits a large batched LAPACK
@@ -372,9 +368,8 @@ def _calls_lapack(residuals, re, first: tuple, x0) -> bool:
     such calls at once (two triangular solves of `jnp.linalg.solve`, or two devices'
     loops) hold every thread of a 2-core machine and hang (an 8 × 8 solve in the
     residuals, 4,000 fits, one CPU device). Then the pool runs its slots one at a
-    time (`_over_slots`)."""
-    jaxpr = jax.make_jaxpr(lambda x: residuals(re(x), *first))(x0)
-    return bool(_primitives(jaxpr.jaxpr) & _LAPACK)
+    time (`_over_slots`). Decided while the pool's program is traced: kept with it."""
+    return bool(_primitives(jax.make_jaxpr(fn)(x).jaxpr) & _LAPACK)
 
 
 def _primitives(jaxpr) -> set[str]:
@@ -420,14 +415,14 @@ def _build(kind, residuals, re, rebuild, mode: str) -> Callable:
     `turns` turns of each slot's fit in a pool (a `fresh` slot first starting from
     its `x0`), each turn one `vmap` of a trial over the slots and the batched leaves
     (those after the first `n_shared`): `_lm.advance_all`."""
-    n_shared, n_devices, lapack = map(int, kind.split(":")[1:])
+    n_shared, n_devices = map(int, kind.split(":")[1:])
     r = dls.residual_fn(residuals, re, rebuild)
     # Several CPU devices run their loops at once on XLA's thread pool, where
     # jaxlib's batched LAPACK calls can wait on each other for ever: one matrix at a
     # time there (`_lm.one_at_a_time`), and one slot at a time where the residuals
     # call LAPACK themselves (`_calls_lapack`).
-    serial = n_devices > 1 and jax.default_backend() == "cpu"
-    slots = functools.partial(_over_slots, one_by_one=bool(lapack))
+    cpu = jax.default_backend() == "cpu"
+    serial = n_devices > 1 and cpu
 
     def begin(state, fresh, x0, opts, shared, batched):
         both = dls.with_jacobian(lambda x: r(x, [*shared, *batched]), mode)
@@ -439,6 +434,9 @@ def _build(kind, residuals, re, rebuild, mode: str) -> Callable:
         return _lm.trial(both, state, opts, serial)
 
     def many(states, fresh, x0s, turns, opts, shared, batched):
+        first = lambda x: r(x, [*shared, *_member(batched, 0)])
+        one_by_one = cpu and _calls_lapack(first, x0s[0])
+        slots = functools.partial(_over_slots, one_by_one=one_by_one)
         states = slots(begin, (0, 0, 0, None, None, 0))(
             states, fresh, x0s, opts, shared, batched
         )
