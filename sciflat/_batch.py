@@ -1,8 +1,10 @@
 """Many least-squares fits of one structure as one compiled program.
 
-K starts, K datasets stacked along a leading axis, or both: `jax.vmap` of the device
-fit (`_lm`) over a pool of slots, each fit stopping on its own and its slot taking the
-next fit at the host's next visit; the slots sharded over every device of JAX's
+K starts, K datasets stacked along a leading axis, or both: the device fit (`_lm`) in a
+pool of slots, each turn one trial of every slot under `jax.vmap` (slot by slot where
+the residuals call LAPACK themselves on a CPU), each fit stopping on its own and its
+slot taking the next fit at the host's next visit; the slots sharded over every
+device of JAX's
 (`jax.shard_map`: each device runs its own loop). Memory is K · m · n (the
 Jacobians), never K².
 """

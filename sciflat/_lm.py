@@ -11,9 +11,11 @@ the scaled Jacobian once per trial by a QR and an SVD of its `R`: every trial
 parameter is then a diagonal solve, in float64.
 
 Each turn of the loop is one trial point: its residuals and Jacobian are evaluated
-together (one forward-mode pass), so the loop has no branch to take and `jax.vmap`
-of it is one program in which a finished fit is carried unchanged (JAX's batching of
-`while_loop` selects the old state for every member whose condition is false). A
+together (one forward-mode pass), so the loop has no branch to take, and a trial of
+a finished fit leaves it as it is: a batch runs one loop of `jax.vmap`-ed trials
+(`advance_all`), each fit taking exactly the turns it takes alone, and every sum is
+added in an order the shape alone fixes (`_sum`), so that it computes the same bits
+batched and alone. A
 non-finite trial (residuals or Jacobian) is a failed step: the radius shrinks, as
 for a step that increased the sum of squares; it never stops the fit.
 """
