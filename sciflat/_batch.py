@@ -303,7 +303,7 @@ def _run_pool(fits: tuple, opts, mode, size: int, devices, bar) -> tuple[dict, s
     fn, how = None, ""
     while (slot >= 0).any():
         rows = np.maximum(slot, 0)  # an empty slot holds fit 0's data, unused
-        part = jax.tree.map(lambda a, at=rows: a[at], data)
+        part = _member(data, rows)
         placed = _place((states, fresh, x0s[rows], part), devices)
         turns = np.int32(_TURNS if queued < k else np.iinfo(np.int32).max)
         leaves = split_args((*args, *placed[3]), to_device=False)[0]
@@ -350,7 +350,8 @@ def _auto_chunk(m: int, n: int) -> int | None:
     return max(64, _CPU_CHUNK_BYTES // (8 * max(m, 1) * (n + 1)))
 
 
-def _member(data: tuple, i: int) -> tuple:
+def _member(data: tuple, i: int | np.ndarray) -> tuple:
+    """The batched data of fit `i` (or of the fits `i`, an index array)."""
     return jax.tree.map(lambda a: a[i], data)
 
 
@@ -416,7 +417,7 @@ def _build(kind, residuals, re, rebuild, mode: str) -> Callable:
     """`(states, fresh, x0s, turns, options, leaves) -> (states, outputs)`: up to
     `turns` turns of each slot's fit in a pool (a `fresh` slot first starting from
     its `x0`), each turn one `vmap` of a trial over the slots and the batched leaves
-    (those after the first `n_shared`): `_lm.advance_all`."""
+    (those after the first `n_shared`): `_lm.advance`."""
     n_shared, n_devices = map(int, kind.split(":")[1:])
     r = dls.residual_fn(residuals, re, rebuild)
     # Several CPU devices run their loops at once on XLA's thread pool, where
@@ -443,7 +444,7 @@ def _build(kind, residuals, re, rebuild, mode: str) -> Callable:
             states, fresh, x0s, opts, shared, batched
         )
         trials = lambda st: slots(step, (0, None, None, 0))(st, opts, shared, batched)
-        states = _lm.advance_all(trials, states, turns)
+        states = _lm.advance(trials, states, turns)
         return states, slots(lambda st: dls.outputs(st, serial), (0,))(states)
 
     def fit(states, fresh, x0s, turns, opts, leaves):

@@ -13,7 +13,7 @@ parameter is then a diagonal solve, in float64.
 Each turn of the loop is one trial point: its residuals and Jacobian are evaluated
 together (one forward-mode pass), so the loop has no branch to take, and a trial of
 a finished fit leaves it as it is: a batch runs one loop of `jax.vmap`-ed trials
-(`advance_all`), each fit taking exactly the turns it takes alone, and every sum is
+(`advance`), each fit taking exactly the turns it takes alone, and every sum is
 added in an order the shape alone fixes (`_sum`), so that it computes the same bits
 batched and alone. A
 non-finite trial (residuals or Jacobian) is a failed step: the radius shrinks, as
@@ -290,7 +290,7 @@ def trial(
 ) -> State:
     """One trial step of `lmder`'s inner loop, and its acceptance and tests. A
     finished fit (`info` not 0) is returned as it is, so that a batch can run every
-    member's trial at every turn (`advance_all`). `serial`: see `_decompose`."""
+    member's trial at every turn (`advance`). `serial`: see `_decompose`."""
     m = state.f.shape[0]
     running = state.info == 0
     s, v, g = _decompose(state.jac, state.f, state.diag, serial)
@@ -385,34 +385,20 @@ def solve(f_and_jac: Callable, x0, options: Options, history: int = 1) -> State:
     """The whole fit from `x0`: the final `State` (`info` > 0, or the start's
     `NONFINITE_START`). Traceable and `vmap`-able."""
     state = initial_state(f_and_jac, x0, options, history)
-    return advance(f_and_jac, state, options, np.iinfo(np.int32).max)
+    one = lambda st: trial(f_and_jac, st, options)
+    return advance(one, state, np.iinfo(np.int32).max)
 
 
-def advance(
-    f_and_jac: Callable, state: State, options: Options, turns, serial: bool = False
-) -> State:
-    """At most `turns` more trials of a running fit (a finished fit is returned
-    unchanged): the loop of `solve`, also run in pieces by a batch whose host starts
-    new fits in the slots of finished ones. Traceable and `vmap`-able; `serial`:
-    under `vmap`, its decompositions one matrix at a time (`one_at_a_time`)."""
+def advance(trials: Callable[[State], State], states: State, turns) -> State:
+    """At most `turns` turns of `trials` while any fit of `states` runs: the loop of
+    `solve` (`trials` one `trial` of its fit), also run in pieces by a batch (one
+    `trial` of every slot, e.g. its `vmap`) whose host starts new fits in the slots
+    of finished ones.
 
-    def body(carry):
-        st, i = carry
-        return trial(f_and_jac, st, options, serial), i + 1
-
-    return jax.lax.while_loop(
-        lambda c: (c[0].info == 0) & (c[1] < turns), body, (state, 0)
-    )[0]
-
-
-def advance_all(trials: Callable[[State], State], states: State, turns) -> State:
-    """`advance` of a batch of fits (`states`, stacked): at most `turns` turns of
-    `trials` (one `trial` of every member, e.g. its `vmap`), while any member runs.
-
-    A finished member is left as it is by `trial` itself, so the loop carries the
-    batch whole: `vmap` of `advance` would select between the old and the new state
-    of every member at every turn, a copy of every Jacobian (Gpufit's spots, 722
-    members: 13.3 µs a member and turn against 9.7 without the copy). Each member
+    A finished fit is left as it is by `trial` itself, so the loop carries a batch
+    whole: a `vmap` of each fit's own loop would select between the old and the new
+    state of every member at every turn, a copy of every Jacobian (Gpufit's spots,
+    722 members: 13.3 µs a member and turn against 9.7 without the copy). Each fit
     takes exactly the turns it would take alone."""
 
     def body(carry):
