@@ -1,6 +1,6 @@
 """Many fits at once: the device fit and batches of it, against lmfit and SciPy's loop.
 
-Three tables (docs/many_fits.md):
+Four tables (docs/many_fits.md):
 
 1. `--single`: one small fit after compilation, per NIST StRD problem and start:
    `least_squares(method="device")` against lmfit's default fit (MINPACK, finite
@@ -22,6 +22,13 @@ Three tables (docs/many_fits.md):
    interleaved in one process, medians, and whether both give the same fits.
 
     python benchmarks/bench_many_fits.py --devices --cpu-devices 2 --ks 1000 10000
+
+4. `--runtime [PROBLEM ...]`: what XLA:CPU's way of running a program costs one small
+   fit (default DanWood, from Start 2): its program with the history of costs as
+   built and capped so that no buffer exceeds 512 bytes (`runtime` says why).
+   Under `taskset -c 0` (one core), the same without the other threads.
+
+    python benchmarks/bench_many_fits.py --runtime --repeats 300
 
 Each figure is a median over `--repeats` (the batch: `--batch-repeats`) runs in one
 process; on a shared machine the ratios move by tens of percent: say so with them.
@@ -302,11 +309,85 @@ def devices(cases: list[str], ks: list[int], repeats: int) -> None:
             )
 
 
+#
+# 4. What XLA:CPU's runtime costs one small fit
+#
+
+
+def runtime(names: list[str], repeats: int) -> None:
+    """A small fit's compiled program as `least_squares(method="device")` builds it,
+    against the same program with its history of costs capped at 20 entries (the
+    default is sized by `max_nfev`: 6,001 floats for 2 parameters). XLA:CPU runs a
+    sequence of kernels in order, on one thread, when every buffer it touches is at
+    most 512 bytes (or the sequence is a chain, or of at most 8 kernels), and
+    otherwise as a graph whose ready kernels it hands to the other threads of its
+    pool. With the cap, DanWood's program (6 × 2, the
+    smallest of the eight) has no larger buffer; a problem with more than 64
+    residuals, or whose packed outputs exceed 64 floats, has one either way. The
+    programs alone and the whole fits, interleaved in one process, medians."""
+    from sciflat import _device_least_squares as dls
+
+    default_cap = dls._HISTORY_MAX
+    print(
+        "| problem | m × n | program µs (as built) | program µs (history 20) "
+        "| ratio | fit µs (as built) | fit µs (history 20) | ratio |\n"
+        "|---|---|---:|---:|---:|---:|---:|---:|"
+    )
+    for name in names:
+        p = nist.read(name)
+
+        def fit(cap, p=p):
+            dls._HISTORY_MAX = cap
+            try:
+                return nist.fit(p, 2, method="device")
+            finally:
+                dls._HISTORY_MAX = default_cap
+
+        first = fit(default_cap)
+        opts, max_nfev = dls.options({}, len(p.names), "runtime")
+        start = dls.packed_start(np.array(p.starts[1], np.float64), opts)
+        programs = {}
+        for cap in (default_cap, 20):
+            n_history = min(max_nfev, cap) + 1
+            build = dls._build(
+                f"device:{n_history}",
+                p.residuals,
+                first.re,
+                lambda leaves: leaves,
+                "forward",
+            )
+            programs[cap] = jax.jit(build)
+            assert np.array_equal(  # the same fit either way
+                np.asarray(programs[cap](start, [p.x, p.y])["x"]), first.raw.x
+            )
+        data = [p.x, p.y]
+        calls = {}
+        for cap, program in programs.items():
+            calls[f"program{cap}"] = lambda g=program, a=start, d=data: g(a, d)["host"]
+            calls[f"fit{cap}"] = lambda c=cap, f=fit: f(c).p
+        times: dict[str, list[float]] = {k: [] for k in calls}
+        for _ in range(repeats):
+            for key, call in calls.items():
+                t0 = time.perf_counter()
+                jax.block_until_ready(call())
+                times[key].append(time.perf_counter() - t0)
+        med = {k: 1e6 * statistics.median(v) for k, v in times.items()}
+        big, small = (f"program{default_cap}", "program20")
+        fbig, fsmall = (f"fit{default_cap}", "fit20")
+        print(
+            f"| {name} | {len(p.y)} × {len(p.names)} | {med[big]:.0f} | {med[small]:.0f} "
+            f"| {med[big] / med[small]:.2f} | {med[fbig]:.0f} | {med[fsmall]:.0f} "
+            f"| {med[fbig] / med[fsmall]:.2f} |",
+            flush=True,
+        )
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--single", action="store_true")
     parser.add_argument("--many", action="store_true")
     parser.add_argument("--devices", action="store_true")
+    parser.add_argument("--runtime", nargs="*", metavar="PROBLEM")
     parser.add_argument(
         "--cpu-devices",
         type=int,
@@ -337,6 +418,9 @@ def main(argv=None) -> None:
         print(f"BLAS threads limited to {args.blas_threads}")
     if args.devices:
         devices(args.cases, args.ks, args.batch_repeats)
+        return
+    if args.runtime is not None:
+        runtime(args.runtime or ["DanWood"], args.repeats)
         return
     if args.single or not args.many:
         single(args.repeats)
