@@ -1,6 +1,6 @@
 """Many fits at once: the device fit and batches of it, against lmfit and SciPy's loop.
 
-Four tables (docs/many_fits.md):
+Five tables (docs/many_fits.md):
 
 1. `--single`: one small fit after compilation, per NIST StRD problem and start:
    `least_squares(method="device")` against lmfit's default fit (MINPACK, finite
@@ -29,6 +29,12 @@ Four tables (docs/many_fits.md):
    Under `taskset -c 0` (one core), the same without the other threads.
 
     python benchmarks/bench_many_fits.py --runtime --repeats 300
+
+5. `--floor`: the least one turn of a batch costs a slot with MINPACK's algorithm
+   (its residuals and Jacobian, LAPACK's QR and SVD, each timed alone at the pool's
+   size), from which the best ratio against lmfit's loop follows.
+
+    python benchmarks/bench_many_fits.py --floor --repeats 20
 
 Each figure is a median over `--repeats` (the batch: `--batch-repeats`) runs in one
 process; on a shared machine the ratios move by tens of percent: say so with them.
@@ -310,6 +316,66 @@ def devices(cases: list[str], ks: list[int], repeats: int) -> None:
 
 
 #
+# 5. What one turn of a batch costs at least
+#
+
+
+def floor(cases: list[str], repeats: int) -> None:
+    """The three pieces of work every slot does at every turn of a batch, each timed
+    alone under `vmap` at the pool's size for K = 10,000 fits (as
+    `least_squares_batch` chooses it): the residuals and the Jacobian (one
+    forward-mode pass), LAPACK's QR of the scaled `m × (n + 1)` Jacobian, and its
+    SVD of the `n × n` `R`. Their sum is the least a slot-turn costs with this
+    algorithm (MINPACK's, with QR and SVD), whatever the loop around it does."""
+    print(
+        "| case | m × n | slots | residuals + Jacobian µs | QR µs | SVD µs | sum µs |\n"
+        "|---|---|---:|---:|---:|---:|---:|"
+    )
+    for name in cases:
+        make = misra_case if name == "misra" else spot_case
+        _floor_row(name, make(10_000, np.random.default_rng(1)), repeats)
+
+
+def _floor_row(name: str, case: dict, repeats: int) -> None:
+    from sciflat import _batch as batch_module, _lm
+
+    names, (k, m), n = case["names"], case["data"].shape, len(case["names"])
+    slots = min(k, batch_module._auto_chunk(m, n) or k)
+    xs, data = jnp.asarray(case["starts"][:slots]), jnp.asarray(case["data"][:slots])
+    residuals, args = case["residuals"], case["args"]
+
+    def both(x, z):
+        r = lambda x: residuals(dict(zip(names, x, strict=True)), *args, z)
+        jac, f = jax.jacfwd(lambda x: (r(x), r(x)), has_aux=True)(x)
+        return f, jac
+
+    evaluate = jax.jit(jax.vmap(both))
+    f, jac = evaluate(xs, data)
+    norms = jnp.sqrt(jnp.sum(jac * jac, axis=1, keepdims=True))
+    scaled = jnp.concatenate([jac / norms, f[:, :, None]], axis=2)
+    qr = jax.jit(jax.vmap(lambda a: jnp.linalg.qr(a, mode="r")))
+    r = qr(scaled)[:, :n, :n]
+    svd = jax.jit(jax.vmap(_lm.svd))
+    calls = {
+        "evaluate": lambda: evaluate(xs, data),
+        "qr": lambda: qr(scaled),
+        "svd": lambda: svd(r),
+    }
+    times: dict[str, list[float]] = {key: [] for key in calls}
+    for _ in range(repeats):
+        for key, call in calls.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(call())
+            times[key].append(time.perf_counter() - t0)
+    us = {key: 1e6 * statistics.median(v) / slots for key, v in times.items()}
+    print(
+        f"| {name} | {m} × {n} | {slots} | {us['evaluate']:.2f} | {us['qr']:.2f} "
+        f"| {us['svd']:.2f} | {sum(us.values()):.2f} |",
+        flush=True,
+    )
+
+
+#
 # 4. What XLA:CPU's runtime costs one small fit
 #
 
@@ -388,6 +454,7 @@ def main(argv=None) -> None:
     parser.add_argument("--many", action="store_true")
     parser.add_argument("--devices", action="store_true")
     parser.add_argument("--runtime", nargs="*", metavar="PROBLEM")
+    parser.add_argument("--floor", action="store_true")
     parser.add_argument(
         "--cpu-devices",
         type=int,
@@ -418,6 +485,9 @@ def main(argv=None) -> None:
         print(f"BLAS threads limited to {args.blas_threads}")
     if args.devices:
         devices(args.cases, args.ks, args.batch_repeats)
+        return
+    if args.floor:
+        floor(args.cases, args.repeats)
         return
     if args.runtime is not None:
         runtime(args.runtime or ["DanWood"], args.repeats)
