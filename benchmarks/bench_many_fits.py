@@ -67,6 +67,18 @@ def _lmfit(residuals_np, names, start, data, max_nfev=None):
     return lmfit.minimize(residuals_np, params, args=data, max_nfev=max_nfev)
 
 
+def _medians(calls: dict, repeats: int) -> dict[str, float]:
+    """Seconds of each call (`jax.block_until_ready` of what it returns), the calls
+    interleaved `repeats` times, medians."""
+    times: dict[str, list[float]] = {key: [] for key in calls}
+    for _ in range(repeats):
+        for key, call in calls.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(call())
+            times[key].append(time.perf_counter() - t0)
+    return {key: statistics.median(v) for key, v in times.items()}
+
+
 def _timed(fn) -> float:
     t0 = time.perf_counter()
     out = fn()
@@ -361,13 +373,7 @@ def _floor_row(name: str, case: dict, repeats: int) -> None:
         "qr": lambda: qr(scaled),
         "svd": lambda: svd(r),
     }
-    times: dict[str, list[float]] = {key: [] for key in calls}
-    for _ in range(repeats):
-        for key, call in calls.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(call())
-            times[key].append(time.perf_counter() - t0)
-    us = {key: 1e6 * statistics.median(v) / slots for key, v in times.items()}
+    us = {key: 1e6 * t / slots for key, t in _medians(calls, repeats).items()}
     print(
         f"| {name} | {m} × {n} | {slots} | {us['evaluate']:.2f} | {us['qr']:.2f} "
         f"| {us['svd']:.2f} | {sum(us.values()):.2f} |",
@@ -431,13 +437,7 @@ def runtime(names: list[str], repeats: int) -> None:
         for cap, program in programs.items():
             calls[f"program{cap}"] = lambda g=program, a=start, d=data: g(a, d)["host"]
             calls[f"fit{cap}"] = lambda c=cap, f=fit: f(c).p
-        times: dict[str, list[float]] = {k: [] for k in calls}
-        for _ in range(repeats):
-            for key, call in calls.items():
-                t0 = time.perf_counter()
-                jax.block_until_ready(call())
-                times[key].append(time.perf_counter() - t0)
-        med = {k: 1e6 * statistics.median(v) for k, v in times.items()}
+        med = {key: 1e6 * t for key, t in _medians(calls, repeats).items()}
         big, small = (f"program{default_cap}", "program20")
         fbig, fsmall = (f"fit{default_cap}", "fit20")
         print(
