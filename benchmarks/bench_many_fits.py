@@ -328,6 +328,73 @@ def devices(cases: list[str], ks: list[int], repeats: int) -> None:
 
 
 #
+# 4. What XLA:CPU's runtime costs one small fit
+#
+
+
+def runtime(names: list[str], repeats: int) -> None:
+    """A small fit's compiled program as `least_squares(method="device")` builds it,
+    against the same program with its history of costs capped at 20 entries (the
+    default is sized by `max_nfev`: 6,001 floats for 2 parameters). XLA:CPU runs a
+    sequence of kernels in order, on one thread, when every buffer it touches is at
+    most 512 bytes (or the sequence is a chain, or of at most 8 kernels), and
+    otherwise as a graph whose ready kernels it hands to the other threads of its
+    pool. With the cap, DanWood's program (6 × 2, the smallest of the eight) has no
+    larger buffer; a problem with more than 64 residuals, or whose packed outputs
+    exceed 64 floats, has one either way. The programs alone and the whole fits,
+    interleaved in one process, medians."""
+    from sciflat import _device_least_squares as dls
+
+    default_cap = dls._HISTORY_MAX
+    print(
+        "| problem | m × n | program µs (as built) | program µs (history 20) "
+        "| ratio | fit µs (as built) | fit µs (history 20) | ratio |\n"
+        "|---|---|---:|---:|---:|---:|---:|---:|"
+    )
+    for name in names:
+        p = nist.read(name)
+
+        def fit(cap, p=p):
+            dls._HISTORY_MAX = cap
+            try:
+                return nist.fit(p, 2, method="device")
+            finally:
+                dls._HISTORY_MAX = default_cap
+
+        first = fit(default_cap)
+        opts, max_nfev = dls.options({}, len(p.names), "runtime")
+        start = dls.packed_start(np.array(p.starts[1], np.float64), opts)
+        programs = {}
+        for cap in (default_cap, 20):
+            n_history = min(max_nfev, cap) + 1
+            build = dls._build(
+                f"device:{n_history}",
+                p.residuals,
+                first.re,
+                lambda leaves: leaves,
+                "forward",
+            )
+            programs[cap] = jax.jit(build)
+            assert np.array_equal(  # the same fit either way
+                np.asarray(programs[cap](start, [p.x, p.y])["x"]), first.raw.x
+            )
+        data = [p.x, p.y]
+        calls = {}
+        for cap, program in programs.items():
+            calls[f"program{cap}"] = lambda g=program, a=start, d=data: g(a, d)["host"]
+            calls[f"fit{cap}"] = lambda c=cap, f=fit: f(c).p
+        med = {key: 1e6 * t for key, t in _medians(calls, repeats).items()}
+        big, small = (f"program{default_cap}", "program20")
+        fbig, fsmall = (f"fit{default_cap}", "fit20")
+        print(
+            f"| {name} | {len(p.y)} × {len(p.names)} | {med[big]:.0f} | {med[small]:.0f} "
+            f"| {med[big] / med[small]:.2f} | {med[fbig]:.0f} | {med[fsmall]:.0f} "
+            f"| {med[fbig] / med[fsmall]:.2f} |",
+            flush=True,
+        )
+
+
+#
 # 5. What one turn of a batch costs at least
 #
 
@@ -379,73 +446,6 @@ def _floor_row(name: str, case: dict, repeats: int) -> None:
         f"| {us['svd']:.2f} | {sum(us.values()):.2f} |",
         flush=True,
     )
-
-
-#
-# 4. What XLA:CPU's runtime costs one small fit
-#
-
-
-def runtime(names: list[str], repeats: int) -> None:
-    """A small fit's compiled program as `least_squares(method="device")` builds it,
-    against the same program with its history of costs capped at 20 entries (the
-    default is sized by `max_nfev`: 6,001 floats for 2 parameters). XLA:CPU runs a
-    sequence of kernels in order, on one thread, when every buffer it touches is at
-    most 512 bytes (or the sequence is a chain, or of at most 8 kernels), and
-    otherwise as a graph whose ready kernels it hands to the other threads of its
-    pool. With the cap, DanWood's program (6 × 2, the
-    smallest of the eight) has no larger buffer; a problem with more than 64
-    residuals, or whose packed outputs exceed 64 floats, has one either way. The
-    programs alone and the whole fits, interleaved in one process, medians."""
-    from sciflat import _device_least_squares as dls
-
-    default_cap = dls._HISTORY_MAX
-    print(
-        "| problem | m × n | program µs (as built) | program µs (history 20) "
-        "| ratio | fit µs (as built) | fit µs (history 20) | ratio |\n"
-        "|---|---|---:|---:|---:|---:|---:|---:|"
-    )
-    for name in names:
-        p = nist.read(name)
-
-        def fit(cap, p=p):
-            dls._HISTORY_MAX = cap
-            try:
-                return nist.fit(p, 2, method="device")
-            finally:
-                dls._HISTORY_MAX = default_cap
-
-        first = fit(default_cap)
-        opts, max_nfev = dls.options({}, len(p.names), "runtime")
-        start = dls.packed_start(np.array(p.starts[1], np.float64), opts)
-        programs = {}
-        for cap in (default_cap, 20):
-            n_history = min(max_nfev, cap) + 1
-            build = dls._build(
-                f"device:{n_history}",
-                p.residuals,
-                first.re,
-                lambda leaves: leaves,
-                "forward",
-            )
-            programs[cap] = jax.jit(build)
-            assert np.array_equal(  # the same fit either way
-                np.asarray(programs[cap](start, [p.x, p.y])["x"]), first.raw.x
-            )
-        data = [p.x, p.y]
-        calls = {}
-        for cap, program in programs.items():
-            calls[f"program{cap}"] = lambda g=program, a=start, d=data: g(a, d)["host"]
-            calls[f"fit{cap}"] = lambda c=cap, f=fit: f(c).p
-        med = {key: 1e6 * t for key, t in _medians(calls, repeats).items()}
-        big, small = (f"program{default_cap}", "program20")
-        fbig, fsmall = (f"fit{default_cap}", "fit20")
-        print(
-            f"| {name} | {len(p.y)} × {len(p.names)} | {med[big]:.0f} | {med[small]:.0f} "
-            f"| {med[big] / med[small]:.2f} | {med[fbig]:.0f} | {med[fsmall]:.0f} "
-            f"| {med[fbig] / med[fsmall]:.2f} |",
-            flush=True,
-        )
 
 
 def main(argv=None) -> None:
