@@ -416,7 +416,9 @@ def floor(cases: list[str], repeats: int) -> None:
 
 
 def _floor_row(name: str, case: dict, repeats: int) -> None:
-    from sciflat import _batch as batch_module, _lm
+    # The device fit's own pieces (`_device_least_squares.with_jacobian`, `_lm`'s QR,
+    # column norms and SVD), each vmapped over the slots on its own.
+    from sciflat import _batch as batch_module, _device_least_squares as dls, _lm
 
     names, (k, m), n = case["names"], case["data"].shape, len(case["names"])
     slots = min(k, batch_module._auto_chunk(m, n) or k)
@@ -425,14 +427,13 @@ def _floor_row(name: str, case: dict, repeats: int) -> None:
 
     def both(x, z):
         r = lambda x: residuals(dict(zip(names, x, strict=True)), *args, z)
-        jac, f = jax.jacfwd(lambda x: (r(x), r(x)), has_aux=True)(x)
-        return f, jac
+        return dls.with_jacobian(r, "forward")(x)
 
     evaluate = jax.jit(jax.vmap(both))
     f, jac = evaluate(xs, data)
-    norms = jnp.sqrt(jnp.sum(jac * jac, axis=1, keepdims=True))
-    scaled = jnp.concatenate([jac / norms, f[:, :, None]], axis=2)
-    qr = jax.jit(jax.vmap(lambda a: jnp.linalg.qr(a, mode="r")))
+    scale = lambda f, jac: jnp.concatenate([jac / _lm._norms(jac), f[:, None]], axis=1)
+    scaled = jax.vmap(scale)(f, jac)
+    qr = jax.jit(jax.vmap(_lm._qr_r))
     r = qr(scaled)[:, :n, :n]
     svd = jax.jit(jax.vmap(_lm.svd))
     calls = {
