@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _lm
+from ._delta import for_values
 from ._flatten import from_pieces, pieces
 from ._floats import promote_floats
 from ._gradients import Mode, choose_modes
@@ -17,7 +18,7 @@ from ._problem import check_args, check_float64, residual_vector
 from ._result import FitResult
 from ._scipy_programs import Programs
 from ._scipy_start import start as float64_start
-from ._transforms import for_values, has_transforms, unwrapping
+from ._transforms import has_transforms, unwrapping
 from ._uncertainty import Uncertainty, _rank_cutoff, from_jacobian, jacobian_scale
 
 

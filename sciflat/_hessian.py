@@ -11,9 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._delta import for_values
 from ._dtypes import X64_FIX, x64_enabled
 from ._result import FitResult
-from ._transforms import for_values, unwrap
+from ._transforms import unwrap
 from ._uncertainty import from_hessian
 
 

@@ -9,7 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from ._transforms import constrained, value_names
+from ._delta import value_names
+from ._transforms import constrained
 
 
 def pretty(name: str) -> str:

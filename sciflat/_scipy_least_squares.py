@@ -11,6 +11,7 @@ import scipy.optimize
 from jaxtyping import Array, Float, PyTree
 
 from . import _lm
+from ._delta import for_values
 from ._floats import promote_floats
 from ._gradients import Mode, choose_modes
 from ._problem import (
@@ -32,7 +33,7 @@ from ._scipy_host import (
 )
 from ._scipy_programs import Programs
 from ._scipy_start import start as float64_start
-from ._transforms import for_values, unwrapping
+from ._transforms import unwrapping
 from ._uncertainty import from_jacobian
 
 

@@ -4,7 +4,7 @@
 holds `raw`, and every fit hands the loss the model with each node replaced by its
 constrained value (`sciflat.unwrap`). So an unbounded method (BFGS, Adam, `lm`)
 respects the constraint, and standard errors are mapped to the constrained values by
-the delta method (the transforms are elementwise: cov_c = D cov D, D = diag(dc/draw)).
+the delta method (`_delta.py`).
 """
 
 import abc
@@ -21,8 +21,6 @@ from jaxtyping import Array, ArrayLike, Float
 
 from ._flatten import Restructure
 from ._layout import TRAINABLE
-from ._scipy_programs import shared, structure_key
-from ._uncertainty import Uncertainty, entry_names
 
 
 _M = TypeVar("_M")
@@ -211,7 +209,7 @@ def node_path(path: str) -> str:
     return path.removesuffix(_RAW)
 
 
-def _nodes(re: Restructure) -> list[tuple[str, Transform]]:
+def nodes(re: Restructure) -> list[tuple[str, Transform]]:
     """Every transform node of the model `re` rebuilds, by path (each path of a tie)."""
     model = re(jnp.zeros(len(re), re.dtype))
     nodes = jax.tree_util.tree_flatten_with_path(model, is_leaf=_is_transform)[0]
@@ -228,13 +226,7 @@ def describe(node: Transform) -> str:
 def transforms_by_path(re: Restructure) -> dict[str, str]:
     """The transform at each leaf that is a transform's `raw` (`"['a'].raw"`), described:
     what a saved file records, so that it loads into the same transforms only."""
-    return {raw_path(path): describe(node) for path, node in _nodes(re)}
-
-
-def value_names(re: Restructure) -> tuple[str, ...]:
-    """One name per entry of `p` for its constrained value: a transform's `raw` path
-    named by the transform's own (`['a'][0]`, not `['a'].raw[0]`)."""
-    return entry_names(re, {raw_path(path): path for path, _ in _nodes(re)})
+    return {raw_path(path): describe(node) for path, node in nodes(re)}
 
 
 def constrained(re: Restructure, x: Float[Array, " n"]) -> Float[Array, " n"]:
@@ -254,41 +246,8 @@ def constrained(re: Restructure, x: Float[Array, " n"]) -> Float[Array, " n"]:
     return out
 
 
-def delta_method(
-    re: Restructure, x: Float[Array, " n"], covariance: np.ndarray
-) -> np.ndarray:
-    """The covariance of the constrained values from that of `x`: D cov D."""
-    d = np.asarray(_derivative(re)(jnp.asarray(x, jnp.float64)))
-    return covariance * np.outer(d, d)
-
-
-def _derivative(re: Restructure):
-    """`x -> d constrained(re, x) / dx` (each entry depends on itself alone), compiled
-    and kept per `re` (by structure, as the fits' functions): run eagerly, each op of
-    the `jvp` compiled on its own, 1.6 s of a 2.6 s first fit with two transforms."""
-
-    def make():
-        f = ft.partial(constrained, re)
-        return jax.jit(lambda x: jax.jvp(f, (x,), (jnp.ones_like(x),))[1])
-
-    return shared(("transforms:derivative", structure_key(re)), make)
-
-
 def raw_to_values(model: Any) -> Any:
     """A model-shaped pytree of per-entry numbers, each transform node replaced by the
     numbers in its `raw` (for standard errors of the constrained values)."""
     leaf = lambda x: x.raw if _is_transform(x) else x
     return jax.tree.map(leaf, model, is_leaf=_is_transform)
-
-
-def for_values(
-    unc: Uncertainty, re: Restructure, x: Float[Array, " n"], model: Any
-) -> Uncertainty:
-    """`unc` for the constrained values when `model` (= `re(x)`) has transforms."""
-    if not has_transforms(model):
-        return unc
-    return dataclasses.replace(
-        unc,
-        covariance=delta_method(re, x, unc.covariance),
-        scale=unc.scale + "; for the constrained values by the delta method",
-    )
