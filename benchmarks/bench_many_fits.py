@@ -343,7 +343,7 @@ def runtime(names: list[str], repeats: int) -> None:
     larger buffer; a problem with more than 64 residuals, or whose packed outputs
     exceed 64 floats, has one either way. The programs alone and the whole fits,
     interleaved in one process, medians."""
-    from sciflat import _device_least_squares as dls
+    from sciflat._device import least_squares as dls
 
     default_cap = dls._HISTORY_MAX
     print(
@@ -418,7 +418,8 @@ def floor(cases: list[str], repeats: int) -> None:
 def _floor_row(name: str, case: dict, repeats: int) -> None:
     # The device fit's own pieces (`_device_least_squares.with_jacobian`, `_lm`'s QR,
     # column norms and SVD), each vmapped over the slots on its own.
-    from sciflat import _batch as batch_module, _device_least_squares as dls, _lm
+    from sciflat._device import batch as batch_module, least_squares as dls
+    from sciflat._solver import lm as _lm
 
     names, (k, m), n = case["names"], case["data"].shape, len(case["names"])
     slots = min(k, batch_module._auto_chunk(m, n) or k)

@@ -480,7 +480,8 @@ def per_call_seconds(calls: dict, rounds: int, number: int = 100) -> dict:
 
 def _sciflat_jitted(net, t):
     """The compiled value-and-gradient that sciflat calls (for the overhead split)."""
-    from sciflat import _scipy_minimize, _scipy_programs
+    from sciflat._fitting import programs as _scipy_programs
+    from sciflat._scipy import minimize as _scipy_minimize
 
     p, re = sciflat.destructure(net, dtype=jnp.float64)
     programs = _scipy_programs.Programs(_scipy_minimize._build, pinn_loss, re, (t,))

@@ -2,15 +2,16 @@ import importlib
 import importlib.metadata
 import typing
 
-from ._audit import assert_dtypes as assert_dtypes, audit_dtypes as audit_dtypes
-from ._audit_report import DtypeReport as DtypeReport, Finding as Finding
+from ._audit.api import assert_dtypes as assert_dtypes, audit_dtypes as audit_dtypes
+from ._audit.report import DtypeReport as DtypeReport, Finding as Finding
 from ._diffrax import VectorField as VectorField, vector_field as vector_field
+from ._fitting.hessian import hessian_uncertainty as hessian_uncertainty
+from ._fitting.plot import plot_fit as plot_fit
+from ._fitting.programs import clear_caches as clear_caches
+from ._fitting.result import FitResult as FitResult
+from ._fitting.uncertainty import Uncertainty as Uncertainty
 from ._flatten import Restructure as Restructure, destructure as destructure
-from ._hessian import hessian_uncertainty as hessian_uncertainty
 from ._io import load as load, save as save
-from ._plot import plot_fit as plot_fit
-from ._result import FitResult as FitResult
-from ._scipy_programs import clear_caches as clear_caches
 from ._transforms import (
     Interval as Interval,
     Log as Log,
@@ -18,47 +19,46 @@ from ._transforms import (
     Transform as Transform,
     unwrap as unwrap,
 )
-from ._uncertainty import Uncertainty as Uncertainty
 
 
 # The fits load Optax, `scipy.optimize` and tqdm: imported on first use, so that
 # `import sciflat` costs only what `destructure` needs (CONTRIBUTING.md has the figures).
 if typing.TYPE_CHECKING:
-    from ._batch import (
+    from ._device.batch import (
         BatchResult as BatchResult,
         least_squares_batch as least_squares_batch,
     )
-    from ._fit import fit as fit
     from ._multistart import (
         MultiStartResult as MultiStartResult,
         multistart as multistart,
     )
-    from ._petab_problem import (
+    from ._optax.fit import fit as fit
+    from ._petab.problem import (
         PetabProblem as PetabProblem,
         ReactionODE as ReactionODE,
         petab_problem as petab_problem,
     )
-    from ._quasi_newton import (
+    from ._scipy.least_squares import least_squares as least_squares
+    from ._scipy.minimize import minimize as minimize
+    from ._solver.quasi_newton import (
         QuasiNewtonState as QuasiNewtonState,
         quasi_newton as quasi_newton,
     )
-    from ._scipy_least_squares import least_squares as least_squares
-    from ._scipy_minimize import minimize as minimize
 
 _LAZY = {
-    "BatchResult": "._batch",
-    "least_squares_batch": "._batch",
-    "fit": "._fit",
-    "least_squares": "._scipy_least_squares",
-    "minimize": "._scipy_minimize",
+    "BatchResult": "._device.batch",
+    "least_squares_batch": "._device.batch",
+    "fit": "._optax.fit",
+    "least_squares": "._scipy.least_squares",
+    "minimize": "._scipy.minimize",
     "multistart": "._multistart",
     "MultiStartResult": "._multistart",
     # PEtab: python-libsbml, SymPy, PyYAML and Diffrax (the `petab` extra).
-    "petab_problem": "._petab_problem",
-    "PetabProblem": "._petab_problem",
-    "ReactionODE": "._petab_problem",
-    "quasi_newton": "._quasi_newton",
-    "QuasiNewtonState": "._quasi_newton",
+    "petab_problem": "._petab.problem",
+    "PetabProblem": "._petab.problem",
+    "ReactionODE": "._petab.problem",
+    "quasi_newton": "._solver.quasi_newton",
+    "QuasiNewtonState": "._solver.quasi_newton",
 }
 
 

@@ -10,11 +10,11 @@ import numpy as np
 import numpy.typing as npt
 from jaxtyping import Array, Float
 
+from ._fitting.floats import promote_floats
+from ._fitting.result import FitResult
 from ._flatten import Restructure, destructure
-from ._floats import promote_floats
 from ._layout import names, nonfinite_paths
-from ._result import FitResult
-from ._scipy_bounds import flat_bounds
+from ._scipy.bounds import flat_bounds
 from ._validate import as_flat_vector
 
 
@@ -125,7 +125,7 @@ def _best(results: list[FitResult[_M]]) -> FitResult[_M]:
 
 
 def _least_squares() -> Callable[..., Any]:
-    from ._scipy_least_squares import least_squares
+    from ._scipy.least_squares import least_squares
 
     return least_squares
 
@@ -133,7 +133,7 @@ def _least_squares() -> Callable[..., Any]:
 def _batched(loss, model, x0s, args, bounds, filter_spec, kwargs) -> list[FitResult]:
     """`least_squares(method="device")` from every start at once: one compiled
     program (`sciflat.least_squares_batch`)."""
-    from ._batch import least_squares_batch
+    from ._device.batch import least_squares_batch
 
     if bounds is not None:
         raise ValueError(
@@ -154,7 +154,7 @@ def _batched(loss, model, x0s, args, bounds, filter_spec, kwargs) -> list[FitRes
 
 
 def _optax_fit() -> Callable[..., Any]:
-    from ._fit import fit
+    from ._optax.fit import fit
 
     return fit
 
@@ -186,9 +186,9 @@ def _vmapped_fit(
             f"`args`, `filter_spec` only (all starts run as one compiled call); got "
             f"{sorted(rest)}."
         )
-    from ._fit import _finish
-    from ._fit_loop import run_starts
-    from ._fit_prepare import prepare, prepare_starts
+    from ._optax.fit import _finish
+    from ._optax.loop import run_starts
+    from ._optax.prepare import prepare, prepare_starts
 
     # Prepared as `fit` prepares: every refusal of `fit` (the loss's output, ...).
     prep = prepare(

@@ -17,7 +17,8 @@ import pytest
 
 import sciflat
 from helpers import float_dtypes_in_jaxpr, json_on_host_devices
-from sciflat import _device_least_squares as dls, _lm
+from sciflat._device import least_squares as dls
+from sciflat._solver import lm as _lm
 
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -311,7 +312,7 @@ def test_a_second_device_fit_sees_its_own_data():
 def test_the_program_computes_in_float64_only():
     model = {"b1": jnp.asarray(1.0), "b2": jnp.asarray(1.0)}
     _, re = sciflat.destructure(model, dtype=jnp.float64)
-    leaves, rebuild = sciflat._problem.split_args((MISRA.x, MISRA.y))
+    leaves, rebuild = sciflat._fitting.problem.split_args((MISRA.x, MISRA.y))
     opts, _ = dls.options({}, 2, "test")
     for mode in ("forward", "reverse"):
         fn = dls._build("device:5", MISRA.residuals, re, rebuild, mode)
@@ -383,7 +384,7 @@ def test_chunks_and_transforms_equal_the_whole_batch(batch, replicates):
     assert chunked.status == batch.status
     # Five slots for twelve fits, each slot taking the next fit when its own ends,
     # fits running across several visits of the host: every fit as in the batch.
-    assert chunked.n_evaluations.max() > 2 * sciflat._batch._TURNS
+    assert chunked.n_evaluations.max() > 2 * sciflat._device.batch._TURNS
     np.testing.assert_array_equal(chunked.n_evaluations, batch.n_evaluations)
     np.testing.assert_allclose(chunked.p, batch.p, rtol=1e-10)
     np.testing.assert_allclose(chunked.stderr_flat, batch.stderr_flat, rtol=1e-10)

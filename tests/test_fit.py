@@ -12,9 +12,9 @@ import optax
 import pytest
 
 import sciflat
-import sciflat._progress
+import sciflat._fitting.progress
 from helpers import float_outputs, inexact_dtypes
-from sciflat._fit_step import State, make_step, reuses_value, strong
+from sciflat._optax.step import State, make_step, reuses_value, strong
 
 
 # A linear least-squares problem: tiny to compile, with a closed-form answer.
@@ -270,14 +270,14 @@ def test_progress_in_a_log_is_plain_lines_and_live_on_a_terminal(capsys, monkeyp
     assert len(lines) == 2, lines
     assert "0/50" in lines[0] and "50/50" in lines[1] and "loss=" in lines[1]
     # On a terminal: tqdm's live bar, redrawn in place.
-    monkeypatch.setattr(sciflat._progress, "_is_terminal", lambda stream: True)
+    monkeypatch.setattr(sciflat._fitting.progress, "_is_terminal", lambda stream: True)
     sciflat.fit(loss, linear(), ADAM, steps=3, args=xy(), progress=True)
     assert "\r" in capsys.readouterr().err
 
 
 def test_progress_in_a_notebook_without_ipywidgets_is_the_text_bar(capsys, monkeypatch):
     # tqdm's widget needs ipywidgets; without it, the text bar (no error, no warning).
-    monkeypatch.setattr(sciflat._progress, "in_notebook", lambda: True)
+    monkeypatch.setattr(sciflat._fitting.progress, "in_notebook", lambda: True)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     sciflat.fit(loss, linear(), ADAM, steps=3, args=xy(), progress=True)
     assert "3/3" in capsys.readouterr().err

@@ -469,7 +469,7 @@ def test_boehm_log_likelihood_at_the_published_fit_is_amicis(boehm):
 
 
 def test_public_names_are_lazy_and_a_missing_extra_names_it(tmp_path, monkeypatch):
-    from sciflat import _petab_problem, _petab_sbml
+    from sciflat._petab import problem as _petab_problem, sbml as _petab_sbml
 
     assert sciflat.petab_problem is _petab_problem.petab_problem
     assert sciflat.PetabProblem is _petab_problem.PetabProblem

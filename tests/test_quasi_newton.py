@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import sciflat
-from sciflat._quasi_newton import _Options, _run, update_inverse_hessian
-from sciflat._quasi_newton_wolfe import Trial, wolfe_search
+from sciflat._solver.quasi_newton import _Options, _run, update_inverse_hessian
+from sciflat._solver.wolfe import Trial, wolfe_search
 
 
 METHODS = ["ssbroyden", "ssbfgs", "bfgs"]

@@ -33,7 +33,8 @@ from helpers import (
     quad_model,
     tied_loss,
 )
-from sciflat import _problem, _scipy_minimize, _scipy_start
+from sciflat._fitting import problem as _problem, start as _scipy_start
+from sciflat._scipy import minimize as _scipy_minimize
 
 
 METHODS = [

@@ -15,7 +15,7 @@ from helpers import (
     exp_model,
     exp_residuals,
 )
-from sciflat import _scipy_programs
+from sciflat._fitting import programs as _scipy_programs
 
 
 #

@@ -21,8 +21,8 @@ from helpers import (
     quad_model,
     tied_loss,
 )
-from sciflat import _problem, _scipy_start
-from sciflat._scipy_fn_key import identity_key
+from sciflat._fitting import problem as _problem, start as _scipy_start
+from sciflat._fitting.fn_key import identity_key
 
 
 def test_compiled_once_and_reused_for_new_data():

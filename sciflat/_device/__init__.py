@@ -1,0 +1,1 @@
+"""Least squares on the device: one fit or a batch of K as one compiled program."""

@@ -1,0 +1,613 @@
+"""Many least-squares fits of one structure as one compiled program.
+
+K starts, K datasets stacked along a leading axis, or both: the device fit (`_lm`) in a
+pool of slots, each turn one trial of every slot under `jax.vmap` (slot by slot where
+the residuals call LAPACK themselves on a CPU), each fit stopping on its own and its
+slot taking the next fit at the host's next visit; the slots sharded over every
+device of JAX's
+(`jax.shard_map`: each device runs its own loop). Memory is K · m · n (the
+Jacobians), never K².
+"""
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpy.typing as npt
+from jaxtyping import Array, Float, PyTree
+
+from .._fitting.floats import promote_floats
+from .._fitting.gradients import Mode, choose_modes
+from .._fitting.problem import check_args, split_args
+from .._fitting.programs import Programs
+from .._fitting.progress import progress_bar
+from .._fitting.result import FitResult, Status, _model_shaped
+from .._fitting.start import start as float64_start
+from .._fitting.uncertainty import Uncertainty, jacobian_scale
+from .._flatten import Restructure, destructure
+from .._solver import lm as _lm
+from .._transforms import has_transforms, unwrapping
+from . import least_squares as dls
+
+
+_M = TypeVar("_M")
+_WHO = "least_squares_batch"
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchResult(Generic[_M]):
+    """What [`sciflat.least_squares_batch`][] returns: K fits as arrays, and each as
+    a [`sciflat.FitResult`][] on request (`result[i]`).
+
+    `print(result)` summarises the batch: how many converged, the best, and every
+    fit that did not converge by index (never hidden in an average).
+
+    **Fields:**
+
+    - `p`: `(K, n)` fitted flat vectors (a fit that could not start keeps its start).
+    - `stderr_flat`: `(K, n)` standard errors in `p` order (NaN where the data do not
+        determine a parameter, or the fit did not start).
+    - `covariance`: `(K, n, n)`.
+    - `loss`: `(K,)` costs `0.5 Σr²` (NaN where the fit could not start).
+    - `status`, `message`: one per fit, as in `FitResult`.
+    - `n_evaluations`, `n_steps`: `(K,)` residual evaluations and accepted steps.
+    - `n_data`: the number of residuals of each fit.
+    - `starts`: `(K, n)` starting points.
+    - `re`: the [`sciflat.Restructure`][] of every fit.
+    - `unidentifiable`: per fit, the directions the data do not determine.
+    """
+
+    p: npt.NDArray[np.float64]
+    stderr_flat: npt.NDArray[np.float64]
+    covariance: npt.NDArray[np.float64]
+    loss: npt.NDArray[np.float64]
+    status: tuple[Status, ...]
+    message: tuple[str, ...]
+    n_evaluations: npt.NDArray[np.int64]
+    n_steps: npt.NDArray[np.int64]
+    n_data: int
+    starts: npt.NDArray[np.float64]
+    re: Restructure[_M] = dataclasses.field(repr=False)
+    unidentifiable: tuple[tuple[str, ...], ...] = ()
+    # How the host scaled the fits whose covariance it computed (rank-deficient, or
+    # through transforms); the others' text is made when a `FitResult` is asked for.
+    scale: dict[int, str] = dataclasses.field(default_factory=dict, repr=False)
+
+    def __len__(self) -> int:
+        return len(self.p)
+
+    @property
+    def converged(self) -> npt.NDArray[np.bool_]:
+        """`(K,)`: which fits converged."""
+        return np.array([s == "converged" for s in self.status])
+
+    @property
+    def failed(self) -> list[int]:
+        """The indices of the fits that did not converge."""
+        return [i for i, s in enumerate(self.status) if s != "converged"]
+
+    @property
+    def best_index(self) -> int:
+        """The converged fit with the lowest loss (among all, if none converged)."""
+        ok = self.converged if self.converged.any() else np.ones(len(self), bool)
+        loss = np.where(ok & np.isfinite(self.loss), self.loss, np.inf)
+        return int(np.argmin(loss))
+
+    @property
+    def best(self) -> FitResult[_M]:
+        """`self[self.best_index]`."""
+        return self[self.best_index]
+
+    @property
+    def model(self) -> _M:
+        """Every fitted model at once: the model with a leading axis K on each
+        trainable leaf (`jax.vmap(re)(p)`)."""
+        return jax.vmap(self.re)(jnp.asarray(self.p))
+
+    @property
+    def stderr(self) -> Any:
+        """Standard errors in the model's structure, each leaf with a leading axis K."""
+        shaped = jax.vmap(lambda s: _model_shaped(self.re, s))
+        return jax.tree.map(np.asarray, shaped(jnp.asarray(self.stderr_flat)))
+
+    def __getitem__(self, i: int) -> FitResult[_M]:
+        """Fit `i` as a [`sciflat.FitResult`][] (with its uncertainty and report)."""
+        i = range(len(self))[i]
+        p = jnp.asarray(self.p[i])
+        unc = None
+        if np.isfinite(self.loss[i]):
+            scale = self.scale.get(i) or jacobian_scale(
+                float(self.loss[i]), self.n_data, len(self.re)
+            )
+            unc = Uncertainty(
+                self.covariance[i], self.re, scale, self.unidentifiable[i]
+            )
+        cost = float(self.loss[i])
+        return FitResult(
+            model=self.re(p),
+            p=p,
+            loss=cost,
+            status=self.status[i],
+            message=self.message[i],
+            history=np.array([cost]),
+            n_steps=int(self.n_steps[i]),
+            re=self.re,
+            uncertainty=unc,
+            chisqr=2.0 * cost,
+            n_data=self.n_data,
+            n_evaluations=int(self.n_evaluations[i]),
+        )
+
+    @property
+    def results(self) -> list[FitResult[_M]]:
+        """Every fit as a `FitResult` (built on request: for K fits, K models)."""
+        return [self[i] for i in range(len(self))]
+
+    def summary(self) -> str:
+        """How many converged, the best, and the fits that did not converge."""
+        ok = self.converged
+        best = self.best_index
+        n_ok = int(ok.sum())
+        head = f"{len(self)} fits: {n_ok} converged, {len(self) - n_ok} not; "
+        lines = [head + f"best: fit {best} (loss {self.loss[best]:.6g})"]
+        if ok.any():
+            q = np.quantile(self.loss[ok], [0.0, 0.5, 1.0])
+            lines.append(
+                f"loss of the converged fits: min {q[0]:.6g}, median {q[1]:.6g}, "
+                f"max {q[2]:.6g}"
+            )
+        by_status: dict[str, list[int]] = {}
+        for i in self.failed:
+            by_status.setdefault(self.status[i], []).append(i)
+        for status, where in by_status.items():
+            shown = ", ".join(map(str, where[:20])) + (" ..." * (len(where) > 20))
+            lines.append(
+                f"{status} ({len(where)}): fits {shown}; e.g. fit {where[0]}: "
+                f"{self.message[where[0]]}"
+            )
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+def least_squares_batch(
+    residuals: Callable[..., Float[Array, "..."]],
+    model: _M,
+    *,
+    args: tuple = (),
+    batch_args: tuple | Sequence[tuple] = (),
+    starts: Float[Array, "k n"] | Sequence[Any] | None = None,
+    mode: Mode = "auto",
+    filter_spec: PyTree = True,
+    shard: bool | None = None,
+    chunk_size: int | None = None,
+    progress: bool = True,
+    **kwargs: Any,
+) -> BatchResult[_M]:
+    """K least-squares fits of one structure as one compiled program.
+
+    Each fit is the device fit of [`sciflat.least_squares`][] (`method="device"`:
+    MINPACK's Levenberg–Marquardt, its scaling and stopping rules), and the K fits
+    run together under `jax.vmap` in a pool of slots, each stopping on its own (its
+    slot then takes the next fit), with exactly the turns of its single fit: fit `i`
+    of a batch equals the single fit of its start and data. The fits differ in their
+    start (`starts`), their data (`batch_args`, stacked along a leading axis), or
+    both; `args` is shared. On several devices the slots are sharded over all of
+    them.
+
+    !!! Example
+
+        ```python
+        # One model, 10,000 datasets: ys has shape (10000, len(x)).
+        batch = sciflat.least_squares_batch(
+            lambda m, x, y: m["a"] * jnp.exp(-m["k"] * x) - y,
+            {"a": 1.0, "k": 0.5}, args=(x,), batch_args=(ys,))
+        print(batch)                  # how many converged, the best, the failed ones
+        batch.model["k"]              # (10000,) fitted rates; batch.stderr["k"] too
+        batch[17]                     # fit 17 as a FitResult, with its report
+        ```
+
+    **Arguments:**
+
+    - `residuals`: `residuals(model, *args, *batch_args) -> array`, for one fit
+        (`batch_args` without their leading axis).
+    - `model`: the model (its structure, and the start of every fit if `starts` is
+        None).
+    - `args`: data shared by every fit.
+    - `batch_args`: data of each fit: a tuple whose array leaves are stacked along a
+        leading axis of length K, or a list of K tuples of the same structure.
+    - `starts`: None, an array `(K, n)` of flat vectors (in `p`'s order: see
+        `re.paths`; a dict's keys are sorted), or a sequence of K models of
+        `model`'s structure. A start that is not finite is a failed fit (reported by
+        index), not an error.
+    - `mode`: the Jacobian's mode, as in `least_squares`.
+    - `filter_spec`: as in `least_squares`.
+    - `shard`: split the batch over `jax.devices()` (default: when there are several).
+        On a CPU, a `residuals` that calls LAPACK itself (`jnp.linalg.solve`, ...)
+        runs its slots one at a time, as jaxlib 0.10 can hang on batches of LAPACK
+        calls there.
+    - `chunk_size`: the number of slots that run at once (one compilation for any
+        K): each slot takes the next fit when its own has finished, so a slow fit
+        holds only its slot. Default: all at once on an accelerator; on a CPU, about
+        4 MB of Jacobians (722 slots for 121 residuals and 5 parameters), which keeps
+        each turn in cache. A progress bar counts the finished fits when K is larger.
+    - `progress`: show that bar.
+    - `**kwargs`: `ftol`, `xtol`, `gtol`, `max_nfev`, `x_scale`, as in
+        `least_squares`.
+
+    **Returns:**
+
+    A [`sciflat.BatchResult`][].
+    """
+    model = promote_floats(model, _WHO)
+    residuals = unwrapping(residuals)
+    p0, re = float64_start(model, None, filter_spec, _WHO)
+    args = check_args(args, _WHO)
+    x0s = _starts(starts, p0, re, filter_spec)
+    data, k_data = _stack(batch_args)
+    k = _batch_size(len(x0s), k_data)
+    x0s = np.broadcast_to(x0s, (k, len(re))).copy()
+    opts, max_nfev = dls.options(kwargs, len(re), _WHO)
+    devices = jax.devices() if (shard is None or shard) else jax.devices()[:1]
+    if shard and len(devices) == 1:
+        devices = jax.devices()  # one device: nothing to split
+    m = _n_residuals(residuals, re, args, data, x0s[0])
+    if chunk_size is None:
+        chunk_size = _auto_chunk(m, len(re))
+    size = k if chunk_size is None else max(1, min(int(chunk_size), k))
+    size = -(-size // len(devices)) * len(devices)  # a multiple of the device count
+    transforms = has_transforms(model)
+    fits = (residuals, re, args, data, x0s, m, transforms)
+    bar = progress_bar(enabled=progress and k > size, desc=_WHO, unit="fit", total=k)
+    try:
+        host, how = _run_pool(fits, opts, mode, size, devices, bar)
+    finally:
+        bar.close()
+    return _result(host, re, x0s, max_nfev, f"{how}; batch of {k}", transforms)
+
+
+# Turns of the loop between two visits of the host, which takes the finished fits
+# out of their slots and starts the next fits there. A slot whose fit finished idles
+# until the visit (half of this on average), and each visit costs every slot about
+# one evaluation (the new fits' first); a visit itself is a few transfers. Once no
+# fit waits for a slot, the loop runs until every fit has finished.
+_TURNS = 8
+
+
+def _run_pool(fits: tuple, opts, mode, size: int, devices, bar) -> tuple[dict, str]:
+    """Every fit through a pool of `size` slots: the compiled program runs `_TURNS`
+    turns of each slot's fit; the host then collects the fits that finished and puts
+    the next ones in their slots. Each fit's turns are those of `_lm.solve` (its state
+    never leaves the device between visits), so it equals the single fit."""
+    residuals, re, args, data, x0s, m, transforms = fits
+    k, n = x0s.shape
+    n_shared = len(split_args(args)[0])
+    states: Any = _lm.empty_states(size, n, m)
+    slot = np.where(np.arange(size) < k, np.arange(size), -1)  # the fit in each slot
+    fresh = slot >= 0
+    queued = int(fresh.sum())  # fits started so far
+    host = dict(
+        x=np.zeros((k, n)),
+        cost=np.zeros(k),
+        nfev=np.zeros(k, np.int64),
+        njev=np.zeros(k, np.int64),
+        info=np.zeros(k, np.int64),
+        cov=np.zeros((k, n, n)),
+        full=np.zeros(k, bool),
+    )
+    jacs: dict[int, np.ndarray] = {}  # of the fits whose covariance the host computes
+    fn, how = None, ""
+    while (slot >= 0).any():
+        rows = np.maximum(slot, 0)  # an empty slot holds fit 0's data, unused
+        part = _member(data, rows)
+        placed = _place((states, fresh, x0s[rows], part), devices)
+        turns = np.int32(_TURNS if queued < k else np.iinfo(np.int32).max)
+        leaves = split_args((*args, *placed[3]), to_device=False)[0]
+        if fn is None:
+            programs = Programs(
+                _build, residuals, re, (*args, *placed[3]), to_device=False
+            )
+            kind = f"pool:{n_shared}:{len(devices)}"
+            fn, used = programs.first_working(
+                kind, choose_modes(mode, True), *placed[:3], turns, opts
+            )
+            how = f"Jacobian: {used} mode"
+        states, out = fn(*placed[:3], turns, opts, leaves)
+        got = jax.device_get({key: out[key] for key in host})
+        done = np.flatnonzero((slot >= 0) & (np.asarray(got["info"]) != 0))
+        finished = slot[done]
+        for key, value in got.items():
+            host[key][finished] = np.asarray(value)[done]
+        recompute = done[~np.asarray(got["full"])[done] | transforms]
+        if len(recompute):
+            jac = np.asarray(out["jac"])
+            jacs.update({int(slot[i]): jac[i] for i in recompute})
+        bar.update(len(done))
+        # The next fits take the freed slots; the rest of the slots stay empty.
+        n_new = min(len(done), k - queued)
+        fresh = np.zeros(size, bool)
+        fresh[done[:n_new]] = True
+        slot[done] = -1
+        slot[done[:n_new]] = np.arange(queued, queued + n_new)
+        queued += n_new
+    return dict(host, jac=jacs, m=m), how
+
+
+# On a CPU, a chunk's loop state (its Jacobians, their QR) is kept near this size:
+# larger, every turn streams it from memory (Gpufit's 2-D spot, 10,000 fits: 84 fits/s
+# in one piece, 205 in chunks of 500; `benchmarks/bench_many_fits.py`), and each chunk
+# also stops with its own slowest fit rather than the whole batch's.
+_CPU_CHUNK_BYTES = 4 * 2**20
+
+
+def _auto_chunk(m: int, n: int) -> int | None:
+    if jax.default_backend() != "cpu":
+        return None
+    return max(64, _CPU_CHUNK_BYTES // (8 * max(m, 1) * (n + 1)))
+
+
+def _member(data: tuple, i: int | np.ndarray) -> tuple:
+    """The batched data of fit `i` (or of the fits `i`, an index array)."""
+    return jax.tree.map(lambda a: a[i], data)
+
+
+# `jax.lax.linalg`'s primitives: on a CPU, calls of LAPACK.
+_LAPACK = frozenset(
+    "cholesky cholesky_update eig eigh geqp3 geqrf hessenberg householder_product lu "
+    "ormqr qr schur svd symmetric_product triangular_solve tridiagonal "
+    "tridiagonal_solve".split()
+)
+
+
+def _calls_lapack(fn: Callable, x) -> bool:
+    """Whether `residuals` calls LAPACK itself (`jnp.linalg`, `jax.scipy.linalg`).
+
+    `vmap` would batch those calls, and jaxlib 0.10 splits a large batched LAPACK
+    call over XLA's thread pool and waits for it on the pool thread it runs on: two
+    such calls at once (two triangular solves of `jnp.linalg.solve`, or two devices'
+    loops) hold every thread of a 2-core machine and hang (an 8 × 8 solve in the
+    residuals, 4,000 fits, one CPU device). Then the pool runs its slots one at a
+    time (`_over_slots`). Decided while the pool's program is traced: kept with it."""
+    return bool(_primitives(jax.make_jaxpr(fn)(x).jaxpr) & _LAPACK)
+
+
+def _primitives(jaxpr) -> set[str]:
+    """The names of every primitive in `jaxpr` and in the jaxprs inside it."""
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's own jaxpr
+                if hasattr(sub, "eqns"):
+                    names |= _primitives(sub)
+    return names
+
+
+def _n_residuals(residuals, re, args, data, x0) -> int:
+    """The number of residuals of one fit (its first), checked against `n`: traced
+    once per signature, as the fits' programs are (`Programs`)."""
+    first = (*args, *_member(data, 0))
+    programs = Programs(_residuals, residuals, re, first, to_device=False)
+    programs.get("residuals", "none", x0)
+    m = programs.out_info["residuals"].shape[0]
+    dls.check_shape(m, len(re), _WHO)
+    return m
+
+
+def _residuals(kind, residuals, re, rebuild, mode: str) -> Callable:
+    return dls.residual_fn(residuals, re, rebuild)
+
+
+def _place(tree, devices):
+    """The batch axis split over `devices` (one device: left where it is; `jax.jit`
+    copies NumPy arrays at the call)."""
+    if len(devices) == 1:
+        return tree
+    mesh = jax.sharding.Mesh(np.array(devices), ("batch",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("batch"))
+    return jax.tree.map(lambda a: jax.device_put(a, sharding), tree)
+
+
+def _build(kind, residuals, re, rebuild, mode: str) -> Callable:
+    """`(states, fresh, x0s, turns, options, leaves) -> (states, outputs)`: up to
+    `turns` turns of each slot's fit in a pool (a `fresh` slot first starting from
+    its `x0`), each turn one `vmap` of a trial over the slots and the batched leaves
+    (those after the first `n_shared`): `_lm.advance`."""
+    n_shared, n_devices = map(int, kind.split(":")[1:])
+    r = dls.residual_fn(residuals, re, rebuild)
+    # Several CPU devices run their loops at once on XLA's thread pool, where
+    # jaxlib's batched LAPACK calls can wait on each other for ever: one matrix at a
+    # time there (`_lm.one_at_a_time`), and one slot at a time where the residuals
+    # call LAPACK themselves (`_calls_lapack`).
+    cpu = jax.default_backend() == "cpu"
+    serial = n_devices > 1 and cpu
+
+    def begin(state, fresh, x0, opts, shared, batched):
+        both = dls.with_jacobian(lambda x: r(x, [*shared, *batched]), mode)
+        start = _lm.initial_state(both, x0, opts, 1)
+        return jax.tree.map(lambda a, b: jnp.where(fresh, a, b), start, state)
+
+    def step(state, opts, shared, batched):
+        both = dls.with_jacobian(lambda x: r(x, [*shared, *batched]), mode)
+        return _lm.trial(both, state, opts, serial)
+
+    def many(states, fresh, x0s, turns, opts, shared, batched):
+        first = lambda x: r(x, [*shared, *_member(batched, 0)])
+        one_by_one = cpu and _calls_lapack(first, x0s[0])
+        slots = functools.partial(_over_slots, one_by_one=one_by_one)
+        states = slots(begin, (0, 0, 0, None, None, 0))(
+            states, fresh, x0s, opts, shared, batched
+        )
+        trials = lambda st: slots(step, (0, None, None, 0))(st, opts, shared, batched)
+        states = _lm.advance(trials, states, turns)
+        return states, slots(lambda st: dls.outputs(st, serial), (0,))(states)
+
+    def fit(states, fresh, x0s, turns, opts, leaves):
+        shared, batched = leaves[:n_shared], leaves[n_shared:]
+        if n_devices == 1:
+            return many(states, fresh, x0s, turns, opts, shared, batched)
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:n_devices]), ("batch",))
+        spec, rep = jax.sharding.PartitionSpec("batch"), jax.sharding.PartitionSpec()
+        # Each device runs its own loop over its own slots.
+        return jax.shard_map(
+            many,
+            mesh=mesh,
+            in_specs=(spec, spec, spec, rep, rep, rep, spec),
+            out_specs=spec,
+            check_vma=False,
+        )(states, fresh, x0s, turns, opts, shared, batched)
+
+    return fit
+
+
+def _over_slots(fn: Callable, in_axes: tuple, one_by_one: bool) -> Callable:
+    """`jax.vmap(fn, in_axes)` over the slots (`in_axes` of 0 or None), or, where
+    `one_by_one`, a `lax.map`: each slot computed as a single fit is, its LAPACK
+    calls never batched (`_calls_lapack`)."""
+    if not one_by_one:
+        return jax.vmap(fn, in_axes=in_axes)
+
+    def mapped(*args):
+        pairs = list(zip(args, in_axes, strict=True))
+
+        def one(sliced):
+            it = iter(sliced)
+            return fn(*(next(it) if ax == 0 else a for a, ax in pairs))
+
+        return jax.lax.map(one, tuple(a for a, ax in pairs if ax == 0))
+
+    return mapped
+
+
+def _result(h: dict, re, x0s, max_nfev: int, how: str, transforms: bool) -> BatchResult:
+    """The `BatchResult` from the host's arrays of every fit (`_run_pool`)."""
+    k = len(x0s)
+    m = h["m"]
+    started = h["info"] != _lm.NONFINITE_START
+    p = np.where(started[:, None], h["x"], x0s)
+    loss = np.where(started, h["cost"], np.nan)
+    cov = np.where(started[:, None, None], h["cov"], np.nan)
+    scales: dict[int, str] = {}
+    dropped: list[tuple[str, ...]] = [()] * k
+    # Rank-deficient fits (and fits through transforms) go through `from_jacobian`,
+    # which names the undetermined directions, and the delta method.
+    for i in np.flatnonzero(started & (~h["full"] | transforms)):
+        x = p[i]
+        model = re(jnp.asarray(x))
+        unc = dls.uncertainty(cov[i], False, h["jac"][i], float(loss[i]), re, x, model)
+        cov[i], scales[int(i)], dropped[i] = (
+            unc.covariance,
+            unc.scale,
+            unc.unidentifiable,
+        )
+    # One status and message per `info` code (a batch has a few), shared by its fits.
+    codes, which = np.unique(h["info"], return_inverse=True)
+    words = [dls.status_and_message(int(c), max_nfev) for c in codes]
+    texts = [f"{text} (method: device; {how})" for _, text in words]
+    status = tuple(words[j][0] for j in which)
+    message = tuple(texts[j] for j in which)
+    with np.errstate(invalid="ignore"):
+        stderr = np.sqrt(np.diagonal(cov, axis1=1, axis2=2))
+    return BatchResult(
+        p=p,
+        stderr_flat=stderr,
+        covariance=cov,
+        loss=loss,
+        status=status,
+        message=message,
+        n_evaluations=h["nfev"].astype(np.int64),
+        n_steps=h["njev"].astype(np.int64),
+        n_data=m,
+        starts=x0s,
+        re=re,
+        unidentifiable=tuple(dropped),
+        scale=scales,
+    )
+
+
+def _starts(starts, p0: np.ndarray, re: Restructure, filter_spec) -> np.ndarray:
+    n = len(re)
+    if starts is None:
+        return p0[None]
+    if isinstance(starts, jax.Array | np.ndarray):
+        rows = np.asarray(starts)
+        if rows.ndim != 2 or rows.shape[1] != n:
+            raise ValueError(
+                f"`{_WHO}`: `starts` as an array must have shape (K, {n}) (one flat "
+                f"vector per fit), got {rows.shape}."
+            )
+        if not np.issubdtype(rows.dtype, np.floating):
+            raise TypeError(
+                f"`{_WHO}`: `starts` must be real floating, got {rows.dtype.name}."
+            )
+        return rows.astype(np.float64)
+    rows = []
+    for i, start in enumerate(starts):
+        q, r = destructure(promote_floats(start, _WHO), filter_spec, dtype=jnp.float64)
+        if r.paths != re.paths or len(r) != n:
+            raise ValueError(
+                f"`{_WHO}`: the members of the batch differ in structure: `starts[{i}]` "
+                f"has the trainable leaves {list(r.paths)[:8]} ({len(r)} numbers), "
+                f"the model {list(re.paths)[:8]} ({n}). Every fit of a batch has the "
+                "model's structure."
+            )
+        rows.append(np.asarray(q, np.float64))
+    if not rows:
+        raise ValueError(f"`{_WHO}`: `starts` is empty.")
+    return np.stack(rows)
+
+
+def _stack(batch_args) -> tuple[tuple, int | None]:
+    """`batch_args` as one tuple of stacked arrays, and K (None if there are none)."""
+    if isinstance(batch_args, list):
+        if not batch_args:
+            raise ValueError(f"`{_WHO}`: `batch_args` is an empty list.")
+        first = jax.tree.structure(tuple(batch_args[0]))
+        shapes0 = [np.shape(x) for x in jax.tree.leaves(tuple(batch_args[0]))]
+        for i, member in enumerate(batch_args):
+            shapes = [np.shape(x) for x in jax.tree.leaves(tuple(member))]
+            if jax.tree.structure(tuple(member)) != first or shapes != shapes0:
+                raise ValueError(
+                    f"`{_WHO}`: the members of the batch differ in structure: "
+                    f"`batch_args[{i}]` has leaves of shapes {shapes}, "
+                    f"`batch_args[0]` {shapes0}. Every fit of a batch has data of the "
+                    "same shapes (pad, or fit them in separate batches)."
+                )
+        batch_args = jax.tree.map(lambda *xs: np.stack(xs), *map(tuple, batch_args))
+    if not isinstance(batch_args, tuple):
+        raise TypeError(
+            f"`{_WHO}`: `batch_args` must be a tuple of arrays stacked along a leading "
+            f"axis, or a list of per-fit tuples; got {type(batch_args).__name__}."
+        )
+    leaves = jax.tree_util.tree_leaves_with_path(batch_args)
+    sizes = {}
+    for path, x in leaves:
+        if not hasattr(x, "shape") or np.ndim(x) == 0:
+            raise ValueError(
+                f"`{_WHO}`: `batch_args{jax.tree_util.keystr(path)}` has no leading "
+                "batch axis; data shared by every fit goes in `args`."
+            )
+        sizes[jax.tree_util.keystr(path)] = np.shape(x)[0]
+    if len(set(sizes.values())) > 1:
+        raise ValueError(
+            f"`{_WHO}`: the members of the batch differ in structure: the leading axes "
+            f"of `batch_args` differ: {sizes}. Each leaf holds one entry per fit."
+        )
+    return batch_args, (next(iter(sizes.values())) if sizes else None)
+
+
+def _batch_size(k_starts: int, k_data: int | None) -> int:
+    if k_data is None or k_starts == 1:
+        return k_starts if k_data is None else k_data
+    if k_data != k_starts:
+        raise ValueError(
+            f"`{_WHO}`: {k_starts} starts but {k_data} datasets in `batch_args`: give "
+            "one start (for every dataset), or as many starts as datasets."
+        )
+    return k_starts

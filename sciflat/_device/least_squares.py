@@ -1,0 +1,319 @@
+"""`least_squares(method="device")`: the whole Levenberg–Marquardt fit as one
+compiled program (`_lm.py`), on the problem layer the SciPy fits share."""
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._fitting.delta import for_values
+from .._fitting.floats import promote_floats
+from .._fitting.gradients import Mode, choose_modes
+from .._fitting.problem import check_args, check_float64, residual_vector
+from .._fitting.programs import Programs
+from .._fitting.result import FitResult
+from .._fitting.start import start as float64_start
+from .._fitting.uncertainty import (
+    Uncertainty,
+    _rank_cutoff,
+    from_jacobian,
+    jacobian_scale,
+)
+from .._flatten import from_pieces, pieces
+from .._solver import lm as _lm
+from .._transforms import has_transforms, unwrapping
+
+
+# What the device fit takes; defaults as the SciPy path's (`_scipy_least_squares`).
+OPTIONS = {"ftol", "xtol", "gtol", "max_nfev", "x_scale"}
+_TOL = 1e-12
+# The history keeps the cost of at most this many accepted steps (it is part of the
+# compiled program: one float per step).
+_HISTORY_MAX = 10_000
+# `least_squares`' `status` numbering of SciPy, for `raw.status`.
+_SCIPY_STATUS = {-2: -1, 1: 2, 2: 3, 3: 4, 4: 1, 5: 0, 6: 2, 7: 3, 8: 1}
+
+
+def options(kwargs: dict, n: int, who: str) -> tuple[_lm.Options, int]:
+    """MINPACK's tolerances from `kwargs` (sciflat's defaults), and `max_nfev`."""
+    if extra := sorted(set(kwargs) - OPTIONS):
+        raise TypeError(
+            f"`{who}` with the device fit takes {sorted(OPTIONS)} as options, got "
+            f"{extra}: those are SciPy's (use `method='trf'` for a robust `loss`, ...)."
+        )
+    tol = {k: float(kwargs.get(k, _TOL)) for k in ("ftol", "xtol", "gtol")}
+    if any(not v >= 0 for v in tol.values()):
+        raise ValueError(f"`{who}`: `ftol`, `xtol`, `gtol` must be >= 0, got {tol}.")
+    max_nfev = int(kwargs.get("max_nfev") or 2000 * (n + 1))
+    x_scale = kwargs.get("x_scale", "jac")
+    if isinstance(x_scale, str) and x_scale == "jac":
+        diag = np.zeros(n)
+    else:
+        scale = np.broadcast_to(np.asarray(x_scale, np.float64), (n,))
+        if not (np.isfinite(scale).all() and (scale > 0).all()):
+            raise ValueError(f"`{who}`: `x_scale` must be 'jac' or positive numbers.")
+        diag = 1.0 / scale  # as MINPACK's `diag` in `least_squares(method="lm")`
+    f64 = lambda v: np.asarray(v, np.float64)
+    opts = _lm.Options(
+        f64(tol["ftol"]), f64(tol["xtol"]), f64(tol["gtol"]), f64(max_nfev), f64(diag)
+    )
+    return opts, max_nfev
+
+
+def residual_fn(residuals, re, rebuild) -> Callable:
+    def r(x, leaves):
+        out = residual_vector(residuals(re(x), *rebuild(leaves)))
+        check_float64(out, "The residuals")
+        return out
+
+    return r
+
+
+def with_jacobian(r: Callable, mode: str) -> Callable:
+    """`x -> (r(x), J(x))` in one pass: forward mode carries the residuals along."""
+    if mode == "forward":
+
+        def both(x):
+            jac, f = jax.jacfwd(lambda x: (r(x), r(x)), has_aux=True)(x)
+            return f, jac
+
+        return both
+
+    def both_reverse(x):
+        f, vjp = jax.vjp(r, x)
+        (jac,) = jax.vmap(vjp)(jnp.eye(f.shape[0], dtype=f.dtype))
+        return f, jac
+
+    return both_reverse
+
+
+def _build(kind, residuals, re, rebuild, mode: str) -> Callable:
+    """The compiled single fit: `(start, leaves) -> outputs` (`start` from
+    `packed_start`; `outputs`, with the residuals, the history and the pieces of the
+    fitted model)."""
+    history = int(kind.removeprefix("device:"))
+    r = residual_fn(residuals, re, rebuild)
+
+    def fit(start, leaves):
+        x0, opts = _unpack_start(start)
+        check_shape(
+            jax.eval_shape(r, x0, leaves).shape[0], x0.shape[0], "least_squares"
+        )
+        both = with_jacobian(lambda x: r(x, leaves), mode)
+        state = _lm.solve(both, x0, opts, history)
+        grad = state.jac.T @ state.f  # SciPy's `grad` and `optimality`, of the cost
+        host = dict(outputs(state), f=state.f, history=state.history, grad=grad)
+        host["optimality"] = jnp.max(jnp.abs(grad), initial=0.0)
+        # A fit that cannot start keeps its start: `state.x` is `x0` then.
+        return dict(host=_pack(host), x=state.x, model=pieces(re, state.x))
+
+    return fit
+
+
+# The start and the options of a single fit, as one float64 vector (`x0`, `ftol`,
+# `xtol`, `gtol`, `max_nfev`, `diag`), and what the host reads of the fit, as another:
+# one transfer each way, where each array of its own costs one (~5 µs each on the
+# CPU; the whole fit of a NIST problem is under 1 ms). Integers below 2**53 are
+# exact in float64.
+_PACKED = (
+    "cost",
+    "nfev",
+    "njev",
+    "info",
+    "full",
+    "optimality",
+    "x",
+    "grad",
+    "f",
+    "jac",
+    "cov",
+    "history",
+)
+_SCALARS = 6
+
+
+def packed_start(x0: np.ndarray, opts: _lm.Options) -> np.ndarray:
+    return np.concatenate([x0, np.stack(opts[:4]), opts.diag])
+
+
+def _unpack_start(start: jax.Array) -> tuple[jax.Array, _lm.Options]:
+    n = (start.shape[0] - 4) // 2
+    ftol, xtol, gtol, max_nfev = (start[n + i] for i in range(4))
+    return start[:n], _lm.Options(ftol, xtol, gtol, max_nfev, start[n + 4 :])
+
+
+def _pack(out: dict) -> jax.Array:
+    return jnp.concatenate([jnp.ravel(out[k]).astype(jnp.float64) for k in _PACKED])
+
+
+def _unpack(packed: np.ndarray, n: int, n_history: int) -> dict:
+    # Six scalars, x (n), grad (n), f (m), jac (m, n), cov (n, n), the history.
+    m = (len(packed) - _SCALARS - 2 * n - n * n - n_history) // (n + 1)
+    out: dict = dict(zip(_PACKED[:_SCALARS], packed[:_SCALARS].tolist(), strict=True))
+    at = _SCALARS
+    for k, shape in (
+        ("x", (n,)),
+        ("grad", (n,)),
+        ("f", (m,)),
+        ("jac", (m, n)),
+        ("cov", (n, n)),
+        ("history", (n_history,)),
+    ):
+        size = math.prod(shape)
+        out[k] = packed[at : at + size].reshape(shape)
+        at += size
+    return out
+
+
+def outputs(state: _lm.State, serial: bool = False) -> dict:
+    """What the host needs of one finished fit. The covariance is computed here, on
+    the device, as `from_jacobian` computes it for a Jacobian of full rank (an SVD
+    of the column-scaled Jacobian); `full` says whether it has full rank, and the
+    host computes it again (naming the undetermined directions) where not.
+    `serial`: under `vmap`, the SVDs one at a time (`_lm.one_at_a_time`)."""
+    jac = state.jac
+    m, n = jac.shape
+    d = jnp.sqrt(jnp.sum(jac * jac, axis=0))
+    d = jnp.where(d > 0, d, 1.0)
+    _, s, vt = (_lm.one_at_a_time(_lm.svd) if serial else _lm.svd)(jac / d)
+    values = s**2
+    cutoff = _rank_cutoff((m, n)) ** 2 * jnp.max(values)
+    full = jnp.all(values > jnp.maximum(cutoff, np.finfo(np.float64).tiny))
+    v = vt.T
+    cost = 0.5 * state.fnorm**2
+    s2 = 2.0 * cost / (m - n) if m > n else jnp.nan
+    cov = s2 * (v / values) @ v.T / jnp.outer(d, d)
+    return dict(
+        x=state.x,
+        cost=cost,
+        nfev=state.nfev,
+        njev=state.njev,
+        info=state.info,
+        cov=cov,
+        full=full,
+        jac=jac,
+    )
+
+
+def uncertainty(cov, on_device: bool, jac, cost: float, re, x, model) -> Uncertainty:
+    """The `Uncertainty` of a finished device fit (NumPy `cov`, `jac`): the device's
+    covariance when `on_device` (a Jacobian of full rank, no transforms), else
+    `from_jacobian`'s, for the constrained values through transforms."""
+    if on_device:
+        m, n = np.shape(jac)
+        return Uncertainty(cov, re, jacobian_scale(cost, m, n))
+    unc = from_jacobian(jac, cost, re)
+    return for_values(unc, re, jnp.asarray(x), model)
+
+
+def check_shape(m: int, n: int, who: str) -> None:
+    if m < n:
+        raise ValueError(
+            f"`{who}`: the device fit (Levenberg–Marquardt) needs at least as many "
+            f"residuals as parameters, got {m} residuals for {n} parameters: use "
+            "`method='trf'`."
+        )
+
+
+def status_and_message(info: int, max_nfev: int) -> tuple[Any, str]:
+    status, message = _lm.MESSAGES.get(int(info), ("failed", f"info {int(info)}."))
+    if status == "max_steps":
+        message += (
+            f" Raise `max_nfev` (it was {max_nfev}) to go further, or start closer."
+        )
+    return status, message
+
+
+def least_squares_on_device(
+    residuals: Callable,
+    model: Any,
+    *,
+    args: tuple,
+    bounds: Any,
+    mode: Mode,
+    x0: Any,
+    filter_spec: Any,
+    callback: Any,
+    kwargs: dict,
+) -> FitResult:
+    """What `sciflat.least_squares(..., method="device")` runs."""
+    who = "least_squares"
+    if bounds is not None:
+        raise ValueError(
+            "`method='device'` does not take bounds; use 'trf' or 'dogbox', or a "
+            "`sciflat.Positive`/`Interval` transform of the parameter."
+        )
+    if callback is not None:
+        raise TypeError(
+            "`method='device'` runs the whole fit as one compiled program, so it "
+            "cannot call `callback` between iterations: use `method='lm'`."
+        )
+    model = promote_floats(model, who)
+    residuals = unwrapping(residuals)
+    start, re = float64_start(model, x0, filter_spec, who)
+    args = check_args(args, who)
+    opts, max_nfev = options(kwargs, len(re), who)
+    # One call: the data go to the device with it (`jax.jit` copies NumPy arrays).
+    programs = Programs(_build, residuals, re, args, to_device=False)
+    n_history = min(max_nfev, _HISTORY_MAX) + 1
+    kind = f"device:{n_history}"
+    # Forward mode first: the fit needs m >= n, where it is the cheaper one.
+    start = packed_start(start, opts)
+    fn, used = programs.first_working(kind, choose_modes(mode, True), start)
+    out = fn(start, programs.leaves)
+    how = f"Jacobian: {used} mode"
+    return fit_result(out, re, n_history, max_nfev, how)
+
+
+def fit_result(out: dict, re, n_history: int, max_nfev: int, how: str) -> FitResult:
+    """The `FitResult` of one finished fit: `out` from the compiled program, brought
+    to the host at once (`p` and the model stay on the device)."""
+    import scipy.optimize
+
+    model = from_pieces(re, out["model"])
+    p = out["x"]
+    host = _unpack(np.asarray(out["host"]), len(re), n_history)
+    m = len(host["f"])
+    info = int(host["info"])
+    status, message = status_and_message(info, max_nfev)
+    ok = info != _lm.NONFINITE_START
+    x = host["x"]
+    cost = host["cost"] if ok else np.nan
+    unc = None
+    if ok:
+        on_device = bool(host["full"]) and not has_transforms(model)
+        unc = uncertainty(host["cov"], on_device, host["jac"], cost, re, x, model)
+    njev = int(host["njev"])
+    history = host["history"][: min(njev, len(host["history"]))]
+    raw = scipy.optimize.OptimizeResult(
+        x=x,
+        cost=cost,
+        fun=host["f"],
+        jac=host["jac"],
+        grad=host["grad"],
+        optimality=host["optimality"],
+        active_mask=np.zeros(len(x), int),
+        nfev=int(host["nfev"]),
+        njev=njev,
+        status=_SCIPY_STATUS.get(info, -1),
+        message=message,
+        success=status == "converged",
+    )
+    return FitResult(
+        model=model,
+        p=p,
+        loss=cost,
+        status=status,
+        message=f"{message} (method: device; {how})",
+        history=history,
+        n_steps=len(history),
+        raw=raw,
+        re=re,
+        uncertainty=unc,
+        chisqr=2.0 * cost,
+        n_data=m,
+        n_evaluations=int(host["nfev"]),
+    )

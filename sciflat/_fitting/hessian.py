@@ -1,0 +1,95 @@
+"""`hessian_uncertainty`: the covariance of a finished fit from the Hessian of its loss.
+
+A public helper on top of `FitResult`: it takes a result, and returns one.
+"""
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._dtypes import X64_FIX, x64_enabled
+from .._transforms import unwrap
+from .delta import for_values
+from .result import FitResult
+from .uncertainty import from_hessian
+
+
+_M = TypeVar("_M")
+
+
+def hessian_uncertainty(
+    result: FitResult[_M],
+    loss: Callable[..., Any],
+    *,
+    args: tuple[Any, ...] = (),
+    scale: Literal["nll", "sse", "mse"] = "nll",
+    n_data: int | None = None,
+) -> FitResult[_M]:
+    """The result of [`sciflat.minimize`][] or [`sciflat.fit`][] with its covariance,
+    from the Hessian.
+
+    The Hessian H of `loss(model, *args)` with respect to `p`, at `result.p`, by JAX
+    (forward over reverse mode), inverted as in [`sciflat.Uncertainty`][]. What the
+    covariance means depends on what the loss is, so say it with `scale`:
+
+    - `"nll"`: a negative log-likelihood: cov = H⁻¹.
+    - `"sse"`: a sum of squared residuals Σr² over `n_data` residuals:
+        cov = 2 s² H⁻¹ with s² = Σr² / (n_data - n).
+    - `"mse"`: their mean Σr² / n_data: cov = 2 s² H⁻¹ / n_data.
+
+    !!! Example
+
+        ```python
+        sse = lambda m, x, y: jnp.sum((f(m, x) - y) ** 2)
+        result = sciflat.minimize(sse, model, args=(x, y))
+        result = sciflat.hessian_uncertainty(result, sse, args=(x, y), scale="sse",
+                                             n_data=len(y))
+        print(result)                 # values ± standard errors, correlations
+        ```
+
+    **Arguments:**
+
+    - `result`: what `minimize` or `fit` returned (it carries `re`). The Hessian is
+        computed in float64, whatever `p.dtype` the fit ran in (JAX's 64-bit mode must
+        be on).
+    - `loss`, `args`: the loss the fit minimised and its data (or, for a
+        `least_squares` result, a loss of its residuals, e.g. their Σr² with
+        `scale="sse"`): `scale` reads the value of this loss at `result.p`.
+    - `scale`: `"nll"`, `"sse"` or `"mse"`, as above.
+    - `n_data`: the number of residuals (for `"sse"` and `"mse"`).
+
+    **Returns:**
+
+    A copy of `result` with `uncertainty` set (and `chisqr`, `n_data` for sums of
+    squares).
+    """
+    if result.re is None:
+        raise ValueError(
+            "`result` has no `re`: pass what `sciflat.minimize` or `sciflat.fit` "
+            "returned."
+        )
+    if not x64_enabled():
+        raise TypeError(
+            "`hessian_uncertainty` computes the Hessian in float64, but JAX's 64-bit "
+            f"mode is off, so JAX would round it to float32: {X64_FIX} at the start of "
+            "your program."
+        )
+    re = result.re
+    x = jnp.asarray(result.p, jnp.float64)
+
+    f = lambda x: loss(unwrap(re(x)), *args)
+    # The scale reads the value of *this* loss, not `result.loss`: that of a
+    # `least_squares` result is SciPy's cost, ½Σr², not Σr² (a factor √2 in stderr).
+    value, hess = jax.jit(lambda x: (f(x), jax.hessian(f)(x)))(x)
+    value = float(value)
+    unc = from_hessian(np.asarray(hess), value, re, scale, n_data)
+    unc = for_values(unc, re, x, result.model)
+    if scale == "nll":
+        return dataclasses.replace(result, uncertainty=unc)
+    assert n_data is not None  # from_hessian checked
+    chisqr = value if scale == "sse" else value * n_data
+    return dataclasses.replace(result, uncertainty=unc, chisqr=chisqr, n_data=n_data)

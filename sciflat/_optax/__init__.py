@@ -1,0 +1,1 @@
+"""`fit`: Optax on `p` in one compiled step, its loop and checkpoints."""
