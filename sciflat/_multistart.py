@@ -12,10 +12,10 @@ from jaxtyping import Array, Float
 
 from ._fitting.floats import promote_floats
 from ._fitting.result import FitResult
+from ._fitting.starts import stacked_starts
 from ._flatten import Restructure, destructure
 from ._layout import names, nonfinite_paths
 from ._scipy.bounds import flat_bounds
-from ._validate import as_flat_vector
 
 
 _M = TypeVar("_M")
@@ -253,47 +253,4 @@ def _starts(
         u = np.asarray(jax.random.uniform(key, (starts - 1, n), jnp.float64))
         sampled = np.where(finite, lower + u * (upper - lower), np.asarray(p))
         return np.concatenate([np.asarray(p)[None], sampled])
-    if isinstance(starts, jax.Array | np.ndarray):
-        rows = [as_flat_vector(s, n, "`multistart` (`starts`)") for s in starts]
-    else:
-        rows = []
-        for i, start in enumerate(starts):
-            q, r = destructure(
-                promote_floats(start, "multistart"), filter_spec, dtype=jnp.float64
-            )
-            if r.paths != re.paths:
-                raise ValueError(
-                    f"`starts[{i}]` does not have the model's trainable leaves: "
-                    f"expected {list(re.paths)[:8]}, got {list(r.paths)[:8]}."
-                )
-            if len(q) != n:
-                raise ValueError(_tie_mismatch(i, re, r))
-            rows.append(q)
-    if not rows:
-        raise ValueError("`starts` is empty.")
-    return np.stack([np.asarray(r, np.float64) for r in rows])
-
-
-def _ties(re: Restructure) -> dict[str, str]:
-    return {e.path: e.tied_to for e in re.layout() if e.tied_to is not None}
-
-
-def _tie_mismatch(i: int, re: Restructure, start: Restructure) -> str:
-    """The same trainable paths but another length of `p`: the ties differ."""
-    want, got = _ties(re), _ties(start)
-    lost = [f"`{p}` is tied to `{q}`" for p, q in want.items() if got.get(p) != q]
-    new = [f"`{p}` is tied to `{q}`" for p, q in got.items() if want.get(p) != q]
-    parts = []
-    if lost:
-        parts.append(
-            "in the model " + ", ".join(lost[:4]) + " (one array, one entry "
-            "of `p`), in the start they are separate arrays"
-        )
-    if new:
-        parts.append("in the start " + ", ".join(new[:4]) + ", in the model not")
-    return (
-        f"`starts[{i}]` does not have the model's ties: " + "; ".join(parts) + ". "
-        "Put one array object in every tied place of a start, as in the model "
-        "(`w = jnp.asarray(...)`, then `{'a': w, 'b': w}`), or give `starts` as flat "
-        f"vectors: rows of length {len(re)} in the order of `p`."
-    )
+    return stacked_starts(starts, re, filter_spec, "multistart")

@@ -574,6 +574,62 @@ def test_an_untied_start_for_a_tied_model_names_the_tie(fit_name):
     assert "`['b']` is tied to `['a']`" in text and "same shape" not in text, text
 
 
+def _starts_of(who: str):
+    """`starts` handed to `multistart` or `least_squares_batch`, with the data."""
+    res = lambda m: jnp.concatenate([jnp.ravel(m["a"]) - 1.0, jnp.ravel(m["b"])])
+    if who == "multistart":
+        return lambda model, starts: sciflat.multistart(
+            sciflat.least_squares, res, model, starts, progress=False
+        )
+    return lambda model, starts: sciflat.least_squares_batch(
+        res, model, starts=starts, progress=False
+    )
+
+
+@pytest.mark.parametrize("who", ["multistart", "least_squares_batch"])
+def test_starts_are_checked_alike_by_every_fit_that_takes_them(who):
+    fit = _starts_of(who)
+    model = {"a": jnp.asarray([1.0, 2.0]), "b": jnp.asarray(0.5)}
+    cases = [
+        # A model of other leaves: which start, and both sets of leaves.
+        (
+            [model, {"a": jnp.asarray([1.0, 2.0])}],
+            ValueError,
+            (
+                rf"`{who}`: the starts differ in structure: `starts\[1\]` does not "
+                r"have the model's trainable leaves: expected "
+                r"\[\"\['a'\]\", \"\['b'\]\"\] \(3 numbers\), got \[\"\['a'\]\"\] \(2\)"
+            ),
+        ),
+        # Rows of another length, or one vector for one start.
+        (
+            np.ones((2, 4)),
+            ValueError,
+            rf"`{who}`: `starts` as an array must have shape \(K, 3\).*got \(2, 4\)",
+        ),
+        (np.ones(3), ValueError, r"shape \(K, 3\).*got \(3,\)"),
+        # Integer rows are not cast silently.
+        (
+            np.ones((2, 3), np.int64),
+            TypeError,
+            rf"`{who}` \(`starts`\) expected a real floating vector, got dtype int64",
+        ),
+        ([], ValueError, rf"`{who}`: `starts` is empty; give at least one start"),
+    ]
+    for starts, error, message in cases:
+        with pytest.raises(error, match=message):
+            fit(model, starts)
+    w = jnp.asarray([1.0, 2.0])
+    tied = {"a": w, "b": w}  # one array: 2 entries of `p`, not 4
+    untied = {"a": jnp.asarray([1.0, 2.0]), "b": jnp.asarray([3.0, 4.0])}
+    with pytest.raises(ValueError) as info:
+        fit(tied, [tied, untied])
+    text = str(info.value)
+    assert f"`{who}`: the starts differ in structure: `starts[1]` does not " in text
+    assert "have the model's ties: in the model `['b']` is tied to `['a']`" in text
+    assert "rows of length 2 in the order of `p`" in text, text
+
+
 @pytest.mark.parametrize("flag", ["model", "p"])
 def test_vector_field_old_args_flag_names_the_fix(flag):
     _, re = sciflat.destructure({"w": jnp.asarray(1.0)})

@@ -27,8 +27,9 @@ from .._fitting.programs import Programs
 from .._fitting.progress import progress_bar
 from .._fitting.result import FitResult, Status, _model_shaped
 from .._fitting.start import start as float64_start
+from .._fitting.starts import stacked_starts
 from .._fitting.uncertainty import Uncertainty, jacobian_scale
-from .._flatten import Restructure, destructure
+from .._flatten import Restructure
 from .._solver import lm as _lm
 from .._transforms import has_transforms, unwrapping
 from . import least_squares as dls
@@ -248,7 +249,9 @@ def least_squares_batch(
     residuals = unwrapping(residuals)
     p0, re = float64_start(model, None, filter_spec, _WHO)
     args = check_args(args, _WHO)
-    x0s = _starts(starts, p0, re, filter_spec)
+    x0s = p0[None]
+    if starts is not None:
+        x0s = stacked_starts(starts, re, filter_spec, _WHO)
     data, k_data = _stack(batch_args)
     k = _batch_size(len(x0s), k_data)
     x0s = np.broadcast_to(x0s, (k, len(re))).copy()
@@ -529,38 +532,6 @@ def _result(h: dict, re, x0s, max_nfev: int, how: str, transforms: bool) -> Batc
         unidentifiable=tuple(dropped),
         scale=scales,
     )
-
-
-def _starts(starts, p0: np.ndarray, re: Restructure, filter_spec) -> np.ndarray:
-    n = len(re)
-    if starts is None:
-        return p0[None]
-    if isinstance(starts, jax.Array | np.ndarray):
-        rows = np.asarray(starts)
-        if rows.ndim != 2 or rows.shape[1] != n:
-            raise ValueError(
-                f"`{_WHO}`: `starts` as an array must have shape (K, {n}) (one flat "
-                f"vector per fit), got {rows.shape}."
-            )
-        if not np.issubdtype(rows.dtype, np.floating):
-            raise TypeError(
-                f"`{_WHO}`: `starts` must be real floating, got {rows.dtype.name}."
-            )
-        return rows.astype(np.float64)
-    rows = []
-    for i, start in enumerate(starts):
-        q, r = destructure(promote_floats(start, _WHO), filter_spec, dtype=jnp.float64)
-        if r.paths != re.paths or len(r) != n:
-            raise ValueError(
-                f"`{_WHO}`: the members of the batch differ in structure: `starts[{i}]` "
-                f"has the trainable leaves {list(r.paths)[:8]} ({len(r)} numbers), "
-                f"the model {list(re.paths)[:8]} ({n}). Every fit of a batch has the "
-                "model's structure."
-            )
-        rows.append(np.asarray(q, np.float64))
-    if not rows:
-        raise ValueError(f"`{_WHO}`: `starts` is empty.")
-    return np.stack(rows)
 
 
 def _stack(batch_args) -> tuple[tuple, int | None]:
