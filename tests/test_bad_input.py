@@ -4,6 +4,7 @@ Each case writes (if it writes at all) into an empty folder, which must still be
 after the error: no checkpoint, no half file, no temp file.
 """
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -572,6 +573,43 @@ def test_an_untied_start_for_a_tied_model_names_the_tie(fit_name):
     text = str(info.value)
     assert "`starts[1]` does not have the model's ties" in text, text
     assert "`['b']` is tied to `['a']`" in text and "same shape" not in text, text
+
+
+_FLOAT64_FITS = {
+    "minimize": lambda r, model, **kw: sciflat.minimize(
+        lambda m, *a: jnp.sum(r(m, *a) ** 2), model, progress=False, **kw
+    ),
+    "least_squares": lambda r, model, **kw: sciflat.least_squares(
+        r, model, progress=False, **kw
+    ),
+    "device": lambda r, model, **kw: sciflat.least_squares(
+        r, model, method="device", **kw
+    ),
+    "least_squares_batch": lambda r, model, **kw: sciflat.least_squares_batch(
+        r, model, progress=False, **kw
+    ),
+}
+
+
+class _Rate(eqx.Module):
+    rate: float  # a Python float in a module: static, so nothing to fit
+
+
+@pytest.mark.parametrize("name", list(_FLOAT64_FITS))
+def test_every_float64_fit_checks_its_inputs_in_one_order(name):
+    run = _FLOAT64_FITS[name]
+    who = "least_squares" if name == "device" else name
+    residuals = lambda m, *a: jnp.ravel(jax.tree.leaves(m)[0]) - 1.0
+    good = {"w": jnp.asarray([1.0, 2.0])}
+    with pytest.raises(TypeError, match=rf"`{who}`: `args` must be a tuple.*ndarray"):
+        run(residuals, good, args=np.ones(2))
+    with pytest.raises(ValueError, match=rf"`{who}`: the model has no floating arr"):
+        run(residuals, _Rate(1.0))
+    with pytest.raises(ValueError, match=rf"`{who}`: the starting point is not fin"):
+        run(residuals, {"w": jnp.asarray([1.0, jnp.nan])})
+    # Two wrong inputs: `args` is checked first, by every fit.
+    with pytest.raises(TypeError, match=rf"`{who}`: `args` must be a tuple"):
+        run(residuals, _Rate(1.0), args=np.ones(2))
 
 
 def _starts_of(who: str):

@@ -20,18 +20,17 @@ import numpy as np
 import numpy.typing as npt
 from jaxtyping import Array, Float, PyTree
 
-from .._fitting.floats import promote_floats
 from .._fitting.gradients import Mode, choose_modes
-from .._fitting.problem import check_args, split_args
+from .._fitting.inputs import checked_inputs
+from .._fitting.problem import split_args
 from .._fitting.programs import Programs
 from .._fitting.progress import progress_bar
 from .._fitting.result import FitResult, Status, _model_shaped
-from .._fitting.start import start as float64_start
 from .._fitting.starts import stacked_starts
 from .._fitting.uncertainty import Uncertainty, jacobian_scale
 from .._flatten import Restructure
 from .._solver import lm as _lm
-from .._transforms import has_transforms, unwrapping
+from .._transforms import has_transforms
 from . import least_squares as dls
 
 
@@ -245,11 +244,9 @@ def least_squares_batch(
 
     A [`sciflat.BatchResult`][].
     """
-    model = promote_floats(model, _WHO)
-    residuals = unwrapping(residuals)
-    p0, re = float64_start(model, None, filter_spec, _WHO)
-    args = check_args(args, _WHO)
-    x0s = p0[None]
+    inputs = checked_inputs(residuals, model, args, None, filter_spec, _WHO)
+    residuals, re, args = inputs.fn, inputs.re, inputs.args
+    x0s = inputs.start[None]
     if starts is not None:
         x0s = stacked_starts(starts, re, filter_spec, _WHO)
     data, k_data = _stack(batch_args)
@@ -264,7 +261,7 @@ def least_squares_batch(
         chunk_size = _auto_chunk(m, len(re))
     size = k if chunk_size is None else max(1, min(int(chunk_size), k))
     size = -(-size // len(devices)) * len(devices)  # a multiple of the device count
-    transforms = has_transforms(model)
+    transforms = has_transforms(inputs.model)
     fits = (residuals, re, args, data, x0s, m, transforms)
     bar = progress_bar(enabled=progress and k > size, desc=_WHO, unit="fit", total=k)
     try:

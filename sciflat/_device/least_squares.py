@@ -10,12 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._fitting.delta import for_values
-from .._fitting.floats import promote_floats
 from .._fitting.gradients import Mode, choose_modes
-from .._fitting.problem import check_args, check_float64, residual_vector
+from .._fitting.inputs import checked_inputs
+from .._fitting.problem import check_float64, residual_vector
 from .._fitting.programs import Programs
 from .._fitting.result import FitResult
-from .._fitting.start import start as float64_start
 from .._fitting.uncertainty import (
     Uncertainty,
     _rank_cutoff,
@@ -24,7 +23,7 @@ from .._fitting.uncertainty import (
 )
 from .._flatten import from_pieces, pieces
 from .._solver import lm as _lm
-from .._transforms import has_transforms, unwrapping
+from .._transforms import has_transforms
 
 
 # What the device fit takes; defaults as the SciPy path's (`_scipy_least_squares`).
@@ -251,10 +250,8 @@ def least_squares_on_device(
             "`method='device'` runs the whole fit as one compiled program, so it "
             "cannot call `callback` between iterations: use `method='lm'`."
         )
-    model = promote_floats(model, who)
-    residuals = unwrapping(residuals)
-    start, re = float64_start(model, x0, filter_spec, who)
-    args = check_args(args, who)
+    inputs = checked_inputs(residuals, model, args, x0, filter_spec, who)
+    residuals, start, re, args = inputs.fn, inputs.start, inputs.re, inputs.args
     opts, max_nfev = options(kwargs, len(re), who)
     # One call: the data go to the device with it (`jax.jit` copies NumPy arrays).
     programs = Programs(_build, residuals, re, args, to_device=False)

@@ -11,10 +11,9 @@ import scipy.optimize
 from jaxtyping import Array, Float, PyTree
 
 from .._fitting.delta import for_values
-from .._fitting.floats import promote_floats
 from .._fitting.gradients import Mode, choose_modes
+from .._fitting.inputs import checked_inputs
 from .._fitting.problem import (
-    check_args,
     check_float64,
     data_by_keyword,
     nonfinite_start_message,
@@ -22,10 +21,8 @@ from .._fitting.problem import (
 )
 from .._fitting.programs import Programs
 from .._fitting.result import FitResult, Status
-from .._fitting.start import start as float64_start
 from .._fitting.uncertainty import from_jacobian
 from .._solver import lm as _lm
-from .._transforms import unwrapping
 from .bounds import flat_bounds
 from .host import (
     BlasThreads,
@@ -145,11 +142,10 @@ def least_squares(
             callback=callback,
             kwargs=kwargs,
         )
-    model = promote_floats(model, "least_squares")  # {"b1": 500.0}: b1 is fitted
-    residuals = unwrapping(residuals)  # they see the values of `sciflat.Transform`s
-    start, re = float64_start(model, x0, filter_spec, "least_squares")
+    inputs = checked_inputs(residuals, model, args, x0, filter_spec, "least_squares")
+    residuals, start, re, args = inputs.fn, inputs.start, inputs.re, inputs.args
     lb_ub = flat_bounds(bounds, re, start)
-    programs = Programs(_build, residuals, re, check_args(args, "least_squares"))
+    programs = Programs(_build, residuals, re, args)
     leaves = programs.leaves
     res_fn = programs.get("residuals", "none", start)
     m = programs.out_info["residuals"].shape[0]

@@ -9,7 +9,6 @@ import numpy as np
 import scipy.optimize
 from jaxtyping import Array, Float, PyTree, Scalar
 
-from .._fitting.floats import promote_floats
 from .._fitting.gradients import (
     FORWARD_MAX_PARAMS,
     Mode,
@@ -17,16 +16,14 @@ from .._fitting.gradients import (
     gradient,
     value_and_grad_flat,
 )
+from .._fitting.inputs import checked_inputs
 from .._fitting.problem import (
-    check_args,
     check_float64,
     data_by_keyword,
     nonfinite_start_message,
 )
 from .._fitting.programs import Programs
 from .._fitting.result import FitResult, Status
-from .._fitting.start import start as float64_start
-from .._transforms import unwrapping
 from .bounds import flat_bounds
 from .host import (
     BlasThreads,
@@ -147,10 +144,8 @@ def minimize(
     if clash := [k for k in _OURS if k in kwargs]:
         raise TypeError(f"`minimize` computes {clash} itself; do not pass them.")
     name = _check_method(method, bounds)
-    args = check_args(args, "minimize")
-    model = promote_floats(model, "minimize")  # {"b1": 500.0}: b1 is fitted
-    loss = unwrapping(loss)  # it sees the values of `sciflat.Transform`s
-    start, re = float64_start(model, x0, filter_spec, "minimize")
+    inputs = checked_inputs(loss, model, args, x0, filter_spec, "minimize")
+    loss, start, re, args = inputs.fn, inputs.start, inputs.re, inputs.args
     scipy_bounds = flat_bounds(bounds, re, start)
     programs = Programs(_build, loss, re, args)
     limit = blas_threads_limit(blas_threads, len(re))
