@@ -11,6 +11,7 @@ time, so d[S]/dt = sum(stoichiometry * rate) / size. Anything outside the subset
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 
@@ -33,6 +34,7 @@ def _libsbml() -> Any:
 
 
 Expr = Any  # a SymPy expression (SymPy's own annotations are too loose to check)
+Read = Callable[[Any, str], Expr]  # libsbml's math, and where it is -> SymPy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,176 +172,217 @@ def read_sbml(path: str) -> SbmlOde:
         if doc.convert(props) != L.LIBSBML_OPERATION_SUCCESS:
             raise _unsupported("function definitions that libsbml cannot expand")
         model = doc.getModel()
-    return _Reader(L, model).ode()
+    return _ode(model, lambda node, where: _Math(L, where)(node))
 
 
-class _Reader:
-    def __init__(self, libsbml: Any, model: Any):
-        self.L, self.m = libsbml, model
+#
+# One kind of SBML element per function, each reading what the model holds of it.
+#
 
-    def math(self, node: Any, where: str) -> Expr:
-        return _Math(self.L, where)(node)
 
-    def refuse_unsupported(self) -> None:
-        m = self.m
-        if m.getNumEvents():
-            ids = [m.getEvent(i).getId() or f"#{i}" for i in range(m.getNumEvents())]
-            raise _unsupported(f"events ({', '.join(ids)})")
-        if m.getNumConstraints():
-            raise _unsupported("constraints")
-        for i in range(m.getNumRules()):
-            rule = m.getRule(i)
-            if rule.isAlgebraic():
-                raise _unsupported("an algebraic rule")
-            if rule.isRate():
-                raise _unsupported(f"a rate rule for {rule.getVariable()!r}")
-        for i in range(m.getNumCompartments()):
-            c = m.getCompartment(i)
-            if not c.getConstant():
-                raise _unsupported(f"compartment {c.getId()!r} of varying size")
+def _sym(name: str) -> sympy.Symbol:
+    return sympy.Symbol(name, real=True)
 
-    def ode(self) -> SbmlOde:
-        m = self.m
-        self.refuse_unsupported()
-        sym = lambda name: sympy.Symbol(name, real=True)
-        constants: dict[str, float] = {}
-        for i in range(m.getNumCompartments()):
-            c = m.getCompartment(i)
-            size = c.getSize() if c.isSetSize() else 1.0
-            constants[c.getId()] = float(size) if not math.isnan(size) else 1.0
-        for i in range(m.getNumParameters()):
-            p = m.getParameter(i)
-            value = p.getValue() if p.isSetValue() else math.nan
-            constants[p.getId()] = float(value)
 
-        rules: dict[str, Expr] = {}
-        for i in range(m.getNumRules()):
-            rule = m.getRule(i)  # assignment rules only, by now
-            rules[rule.getVariable()] = self.math(
-                rule.getMath(), f"the assignment rule for {rule.getVariable()!r}"
-            )
-        rules = _resolve(rules, "assignment rules")
-        for name in rules:
-            constants.pop(name, None)  # not a constant: its rule says what it is
+def _refuse_unsupported(m: Any) -> None:
+    if m.getNumEvents():
+        ids = [m.getEvent(i).getId() or f"#{i}" for i in range(m.getNumEvents())]
+        raise _unsupported(f"events ({', '.join(ids)})")
+    if m.getNumConstraints():
+        raise _unsupported("constraints")
+    for i in range(m.getNumRules()):
+        rule = m.getRule(i)
+        if rule.isAlgebraic():
+            raise _unsupported("an algebraic rule")
+        if rule.isRate():
+            raise _unsupported(f"a rate rule for {rule.getVariable()!r}")
+    for i in range(m.getNumCompartments()):
+        c = m.getCompartment(i)
+        if not c.getConstant():
+            raise _unsupported(f"compartment {c.getId()!r} of varying size")
 
-        initial: dict[str, Expr] = {}
-        for i in range(m.getNumInitialAssignments()):
-            a = m.getInitialAssignment(i)
-            initial[a.getSymbol()] = self.math(
-                a.getMath(), f"the initial assignment of {a.getSymbol()!r}"
-            )
 
-        species, x0, fixed_species = [], [], {}
-        size_of: dict[str, Expr] = {}
-        amounts: set[str] = set()
-        for i in range(m.getNumSpecies()):
-            s = m.getSpecies(i)
-            sid, comp = s.getId(), s.getCompartment()
-            size_of[sid] = sym(comp)
-            if s.getHasOnlySubstanceUnits():
-                amounts.add(sid)
-            if sid in rules:
-                continue  # an assignment rule gives it at every time
-            if sid in initial:
-                value = initial[sid]
-            elif s.isSetInitialConcentration():
-                value = sympy.Float(s.getInitialConcentration(), 17)
-                if sid in amounts:
-                    value = value * sym(comp)
-            elif s.isSetInitialAmount():
-                value = sympy.Float(s.getInitialAmount(), 17)
-                if sid not in amounts:
-                    value = value / sym(comp)
-            else:
-                raise ValueError(
-                    f"Species {sid!r} has no initial amount, concentration or "
-                    "assignment."
-                )
-            if s.getConstant() or s.getBoundaryCondition():
-                fixed_species[sid] = value  # no reaction changes it
-            else:
-                species.append(sid)
-                x0.append(value)
+def _constants(m: Any) -> dict[str, float]:
+    """Compartment sizes (1 where unset) and parameter values (NaN where unset)."""
+    constants: dict[str, float] = {}
+    for i in range(m.getNumCompartments()):
+        c = m.getCompartment(i)
+        size = c.getSize() if c.isSetSize() else 1.0
+        constants[c.getId()] = float(size) if not math.isnan(size) else 1.0
+    for i in range(m.getNumParameters()):
+        p = m.getParameter(i)
+        constants[p.getId()] = float(p.getValue() if p.isSetValue() else math.nan)
+    return constants
 
-        # Constant parameters given by an initial assignment: their expression.
-        derived = {k: v for k, v in initial.items() if k in constants}
-        for k in derived:
-            constants.pop(k)
 
-        rates: list[Expr] = [sympy.Integer(0)] * len(species)
-        index = {sid: i for i, sid in enumerate(species)}
-        for r in range(m.getNumReactions()):
-            reaction = m.getReaction(r)
-            rid = reaction.getId()
-            law = reaction.getKineticLaw()
-            if law is None or not law.isSetMath():
-                raise ValueError(f"Reaction {rid!r} has no kinetic law.")
-            rate = self.math(law.getMath(), f"the kinetic law of reaction {rid!r}")
-            local = {}
-            for j in range(law.getNumParameters()):
-                q = law.getParameter(j)
-                local[sym(q.getId())] = sympy.Float(q.getValue(), 17)
-            for j in range(law.getNumLocalParameters()):
-                q = law.getLocalParameter(j)
-                local[sym(q.getId())] = sympy.Float(q.getValue(), 17)
-            rate = rate.xreplace(local)
-            for sign, n, get in (
-                (-1, reaction.getNumReactants(), reaction.getReactant),
-                (1, reaction.getNumProducts(), reaction.getProduct),
-            ):
-                for j in range(n):
-                    ref = get(j)
-                    sid = ref.getSpecies()
-                    if ref.isSetStoichiometryMath() or (
-                        ref.isSetId() and ref.getId() in rules
-                    ):
-                        raise _unsupported(
-                            f"a variable stoichiometry of {sid!r} in reaction {rid!r}"
-                        )
-                    if ref.isSetId() and ref.getId() in initial:
-                        raise _unsupported(
-                            f"an initial assignment to the stoichiometry of {sid!r} "
-                            f"in reaction {rid!r}"
-                        )
-                    stoich = ref.getStoichiometry() if ref.isSetStoichiometry() else 1.0
-                    if math.isnan(stoich):
-                        stoich = 1.0
-                    if sid not in index:
-                        continue  # boundary or constant species, or a rule's target
-                    change = sign * _number(stoich) * rate
-                    if sid not in amounts:
-                        change = change / size_of[sid]
-                    rates[index[sid]] = rates[index[sid]] + change
+def _assignment_rules(m: Any, read: Read) -> dict[str, Expr]:
+    rules: dict[str, Expr] = {}
+    for i in range(m.getNumRules()):
+        rule = m.getRule(i)  # assignment rules only, by now
+        where = f"the assignment rule for {rule.getVariable()!r}"
+        rules[rule.getVariable()] = read(rule.getMath(), where)
+    return _resolve(rules, "assignment rules")
 
-        # Everything but the state, time and the constants, substituted away.
-        given = {**fixed_species, **derived, **rules}
-        known = _resolve(given, "initial assignments and rules")
-        subs = {sym(k): v for k, v in known.items()}
-        rhs = tuple(sympy.sympify(e).xreplace(subs) for e in rates)
-        # Initial values may name other species (their initial values) and rules.
-        init_subs = dict(subs)
-        init_subs.update({sym(s): v for s, v in zip(species, x0, strict=True)})
-        init = tuple(
-            _fixpoint(v, init_subs, f"the initial value of {s!r}")
-            for s, v in zip(species, x0, strict=True)
+
+def _initial_assignments(m: Any, read: Read) -> dict[str, Expr]:
+    initial: dict[str, Expr] = {}
+    for i in range(m.getNumInitialAssignments()):
+        a = m.getInitialAssignment(i)
+        where = f"the initial assignment of {a.getSymbol()!r}"
+        initial[a.getSymbol()] = read(a.getMath(), where)
+    return initial
+
+
+@dataclasses.dataclass
+class _Species:
+    """The species: the state (`ids`, `x0`), those no reaction changes (`fixed`), each
+    one's compartment and whether it is held as an amount."""
+
+    ids: list[str] = dataclasses.field(default_factory=list)
+    x0: list[Expr] = dataclasses.field(default_factory=list)
+    fixed: dict[str, Expr] = dataclasses.field(default_factory=dict)
+    size_of: dict[str, Expr] = dataclasses.field(default_factory=dict)
+    amounts: set[str] = dataclasses.field(default_factory=set)
+
+
+def _initial_value(s: Any, amount: bool, initial: dict[str, Expr]) -> Expr:
+    sid, size = s.getId(), _sym(s.getCompartment())
+    if sid in initial:
+        return initial[sid]
+    if s.isSetInitialConcentration():
+        value = sympy.Float(s.getInitialConcentration(), 17)
+        return value * size if amount else value
+    if s.isSetInitialAmount():
+        value = sympy.Float(s.getInitialAmount(), 17)
+        return value if amount else value / size
+    raise ValueError(
+        f"Species {sid!r} has no initial amount, concentration or assignment."
+    )
+
+
+def _species(m: Any, rules: dict[str, Expr], initial: dict[str, Expr]) -> _Species:
+    out = _Species()
+    for i in range(m.getNumSpecies()):
+        s = m.getSpecies(i)
+        sid = s.getId()
+        out.size_of[sid] = _sym(s.getCompartment())
+        if s.getHasOnlySubstanceUnits():
+            out.amounts.add(sid)
+        if sid in rules:
+            continue  # an assignment rule gives it at every time
+        value = _initial_value(s, sid in out.amounts, initial)
+        if s.getConstant() or s.getBoundaryCondition():
+            out.fixed[sid] = value  # no reaction changes it
+        else:
+            out.ids.append(sid)
+            out.x0.append(value)
+    return out
+
+
+def _kinetic_law(reaction: Any, read: Read) -> Expr:
+    """The rate of a reaction (amount per time), its local parameters substituted."""
+    rid, law = reaction.getId(), reaction.getKineticLaw()
+    if law is None or not law.isSetMath():
+        raise ValueError(f"Reaction {rid!r} has no kinetic law.")
+    rate = read(law.getMath(), f"the kinetic law of reaction {rid!r}")
+    local = {}
+    for j in range(law.getNumParameters()):
+        q = law.getParameter(j)
+        local[_sym(q.getId())] = sympy.Float(q.getValue(), 17)
+    for j in range(law.getNumLocalParameters()):
+        q = law.getLocalParameter(j)
+        local[_sym(q.getId())] = sympy.Float(q.getValue(), 17)
+    return rate.xreplace(local)
+
+
+def _stoichiometry(ref: Any, rid: str, rules, initial) -> Expr:
+    """A species reference's constant stoichiometry (1 where unset); refused where a
+    rule or an initial assignment would set it."""
+    sid, named = ref.getSpecies(), ref.getId() if ref.isSetId() else None
+    if ref.isSetStoichiometryMath() or named in rules:
+        raise _unsupported(f"a variable stoichiometry of {sid!r} in reaction {rid!r}")
+    if named in initial:
+        raise _unsupported(
+            f"an initial assignment to the stoichiometry of {sid!r} in reaction {rid!r}"
         )
-        init = tuple(v.xreplace({_TIME: sympy.Integer(0)}) for v in init)
-        allowed = {sym(k) for k in constants} | {sym(s) for s in species} | {_TIME}
-        for sid, e in zip(species, rhs, strict=True):
-            _check_names(e, allowed, f"dx/dt of {sid!r}")
-        for sid, e in zip(species, init, strict=True):
-            _check_names(e, allowed - {_TIME}, f"the initial value of {sid!r}")
-        for k, v in constants.items():
-            if math.isnan(v):
-                raise ValueError(f"Parameter {k!r} has no value in the SBML model.")
-        return SbmlOde(
-            species=tuple(species),
-            rhs=rhs,
-            x0=init,
-            constants=constants,
-            expressions={k: sympy.sympify(v) for k, v in known.items()},
-            time=_TIME,
-        )
+    stoich = ref.getStoichiometry() if ref.isSetStoichiometry() else 1.0
+    return _number(1.0 if math.isnan(stoich) else stoich)
+
+
+def _rates(m: Any, read: Read, species: _Species, rules, initial) -> list[Expr]:
+    """dx/dt of the state: each reaction's rate times its stoichiometry, divided by
+    the compartment's size for a species held as a concentration."""
+    rates: list[Expr] = [sympy.Integer(0)] * len(species.ids)
+    index = {sid: i for i, sid in enumerate(species.ids)}
+    for r in range(m.getNumReactions()):
+        reaction = m.getReaction(r)
+        rid = reaction.getId()
+        rate = _kinetic_law(reaction, read)
+        for sign, n, get in (
+            (-1, reaction.getNumReactants(), reaction.getReactant),
+            (1, reaction.getNumProducts(), reaction.getProduct),
+        ):
+            for j in range(n):
+                ref = get(j)
+                sid = ref.getSpecies()
+                stoich = _stoichiometry(ref, rid, rules, initial)
+                if sid not in index:
+                    continue  # boundary or constant species, or a rule's target
+                change = sign * stoich * rate
+                if sid not in species.amounts:
+                    change = change / species.size_of[sid]
+                rates[index[sid]] = rates[index[sid]] + change
+    return rates
+
+
+def _ode(m: Any, read: Read) -> SbmlOde:
+    _refuse_unsupported(m)
+    constants = _constants(m)
+    rules = _assignment_rules(m, read)
+    for name in rules:
+        constants.pop(name, None)  # not a constant: its rule says what it is
+    initial = _initial_assignments(m, read)
+    species = _species(m, rules, initial)
+    # Constant parameters given by an initial assignment: their expression.
+    derived = {k: v for k, v in initial.items() if k in constants}
+    for k in derived:
+        constants.pop(k)
+    rates = _rates(m, read, species, rules, initial)
+    # Everything but the state, time and the constants, substituted away.
+    known = _resolve(
+        {**species.fixed, **derived, **rules}, "initial assignments and rules"
+    )
+    subs = {_sym(k): v for k, v in known.items()}
+    rhs = tuple(sympy.sympify(e).xreplace(subs) for e in rates)
+    x0 = _initial_state(species, subs)
+    _check_model(species.ids, rhs, x0, constants)
+    return SbmlOde(
+        species=tuple(species.ids),
+        rhs=rhs,
+        x0=x0,
+        constants=constants,
+        expressions={k: sympy.sympify(v) for k, v in known.items()},
+        time=_TIME,
+    )
+
+
+def _initial_state(species: _Species, subs: dict) -> tuple[Expr, ...]:
+    """Initial values may name other species (their initial values) and rules."""
+    pairs = list(zip(species.ids, species.x0, strict=True))
+    init_subs = {**subs, **{_sym(s): v for s, v in pairs}}
+    init = (_fixpoint(v, init_subs, f"the initial value of {s!r}") for s, v in pairs)
+    return tuple(v.xreplace({_TIME: sympy.Integer(0)}) for v in init)
+
+
+def _check_model(species, rhs, x0, constants: dict[str, float]) -> None:
+    allowed = {_sym(k) for k in constants} | {_sym(s) for s in species} | {_TIME}
+    for sid, e in zip(species, rhs, strict=True):
+        _check_names(e, allowed, f"dx/dt of {sid!r}")
+    for sid, e in zip(species, x0, strict=True):
+        _check_names(e, allowed - {_TIME}, f"the initial value of {sid!r}")
+    for k, v in constants.items():
+        if math.isnan(v):
+            raise ValueError(f"Parameter {k!r} has no value in the SBML model.")
 
 
 def _number(x: float) -> Expr:
