@@ -27,7 +27,12 @@ from .._fitting.programs import Programs
 from .._fitting.progress import progress_bar
 from .._fitting.result import FitResult, Status, _model_shaped
 from .._fitting.starts import stacked_starts
-from .._fitting.uncertainty import Uncertainty, jacobian_scale
+from .._fitting.uncertainty import (
+    DELTA,
+    KNOWN,
+    member_uncertainty,
+    residual_variances,
+)
 from .._flatten import Restructure
 from .._solver import lm as _lm
 from .._transforms import has_transforms
@@ -76,6 +81,27 @@ class BatchResult(Generic[_M]):
     # How the host scaled the fits whose covariance it computed (rank-deficient, or
     # through transforms); the others' text is made when a `FitResult` is asked for.
     scale: dict[int, str] = dataclasses.field(default_factory=dict, repr=False)
+    known_errors: bool = False
+
+    def with_known_errors(self) -> "BatchResult[_M]":
+        """Every fit with the unscaled covariance (JᵀJ)⁻¹, for residuals already
+        divided by their known standard deviations (as
+        [`sciflat.FitResult.with_known_errors`][])."""
+        if self.known_errors:
+            raise ValueError("This batch's covariances are unscaled already.")
+        s2 = residual_variances(
+            self.loss, self.n_data, len(self.re), self.unidentifiable
+        )
+        cov = self.covariance / s2[:, None, None]
+        scale = {i: KNOWN + DELTA * t.endswith(DELTA) for i, t in self.scale.items()}
+        known = KNOWN + DELTA * has_transforms(self.re(jnp.asarray(self.p[0])))
+        return dataclasses.replace(
+            self,
+            covariance=cov,
+            stderr_flat=self.stderr_flat / np.sqrt(s2)[:, None],
+            scale={i: scale.get(i, known) for i in range(len(self))},
+            known_errors=True,
+        )
 
     def __len__(self) -> int:
         return len(self.p)
@@ -120,12 +146,16 @@ class BatchResult(Generic[_M]):
         p = jnp.asarray(self.p[i])
         unc = None
         if np.isfinite(self.loss[i]):
-            scale = self.scale.get(i) or jacobian_scale(
-                float(self.loss[i]), self.n_data, len(self.re)
+            unc = member_uncertainty(
+                self.covariance[i],
+                self.re,
+                float(self.loss[i]),
+                self.n_data,
+                self.unidentifiable[i],
+                self.scale.get(i),
             )
-            unc = Uncertainty(
-                self.covariance[i], self.re, scale, self.unidentifiable[i]
-            )
+            if self.known_errors:
+                unc = dataclasses.replace(unc, residual_variance=None, dof=None)
         cost = float(self.loss[i])
         return FitResult(
             model=self.re(p),

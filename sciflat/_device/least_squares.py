@@ -19,7 +19,7 @@ from .._fitting.uncertainty import (
     Uncertainty,
     _rank_cutoff,
     from_jacobian,
-    jacobian_scale,
+    member_uncertainty,
 )
 from .._flatten import from_pieces, pieces
 from .._solver import lm as _lm
@@ -202,8 +202,7 @@ def uncertainty(cov, on_device: bool, jac, cost: float, re, x, model) -> Uncerta
     covariance when `on_device` (a Jacobian of full rank, no transforms), else
     `from_jacobian`'s, for the constrained values through transforms."""
     if on_device:
-        m, n = np.shape(jac)
-        return Uncertainty(cov, re, jacobian_scale(cost, m, n))
+        return member_uncertainty(cov, re, cost, np.shape(jac)[0], (), None)
     unc = from_jacobian(jac, cost, re)
     return for_values(unc, re, jnp.asarray(x), model)
 

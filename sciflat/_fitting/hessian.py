@@ -26,7 +26,7 @@ def hessian_uncertainty(
     loss: Callable[..., Any],
     *,
     args: tuple[Any, ...] = (),
-    scale: Literal["nll", "sse", "mse"] = "nll",
+    scale: Literal["nll", "chi2", "sse", "mse"] = "nll",
     n_data: int | None = None,
 ) -> FitResult[_M]:
     """The result of [`sciflat.minimize`][] or [`sciflat.fit`][] with its covariance,
@@ -37,6 +37,8 @@ def hessian_uncertainty(
     covariance means depends on what the loss is, so say it with `scale`:
 
     - `"nll"`: a negative log-likelihood: cov = H⁻¹.
+    - `"chi2"`: χ² = Σ(r/σ)², residuals divided by their known standard deviations
+        σ: cov = 2 H⁻¹, unscaled (as SciPy's `curve_fit(absolute_sigma=True)`).
     - `"sse"`: a sum of squared residuals Σr² over `n_data` residuals:
         cov = 2 s² H⁻¹ with s² = Σr² / (n_data - n).
     - `"mse"`: their mean Σr² / n_data: cov = 2 s² H⁻¹ / n_data.
@@ -59,8 +61,9 @@ def hessian_uncertainty(
     - `loss`, `args`: the loss the fit minimised and its data (or, for a
         `least_squares` result, a loss of its residuals, e.g. their Σr² with
         `scale="sse"`): `scale` reads the value of this loss at `result.p`.
-    - `scale`: `"nll"`, `"sse"` or `"mse"`, as above.
-    - `n_data`: the number of residuals (for `"sse"` and `"mse"`).
+    - `scale`: `"nll"`, `"chi2"`, `"sse"` or `"mse"`, as above.
+    - `n_data`: the number of residuals (for `"sse"` and `"mse"`; optional for
+        `"chi2"`, where it fills `n_data` of the result).
 
     **Returns:**
 
@@ -90,6 +93,8 @@ def hessian_uncertainty(
     unc = for_values(unc, re, x, result.model)
     if scale == "nll":
         return dataclasses.replace(result, uncertainty=unc)
+    if scale == "chi2":
+        return dataclasses.replace(result, uncertainty=unc, chisqr=value, n_data=n_data)
     assert n_data is not None  # from_hessian checked
     chisqr = value if scale == "sse" else value * n_data
     return dataclasses.replace(result, uncertainty=unc, chisqr=chisqr, n_data=n_data)

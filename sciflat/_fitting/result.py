@@ -123,6 +123,27 @@ class FitResult(Generic[_M]):
         """The Bayesian information criterion, m log(χ²/m) + log(m) n, as lmfit."""
         return None if self.n_data is None else self._criterion(math.log(self.n_data))
 
+    def with_known_errors(self) -> "FitResult[_M]":
+        """This result with the unscaled covariance (JᵀJ)⁻¹: for residuals already
+        divided by their known standard deviations σ, as SciPy's
+        `curve_fit(..., sigma=σ, absolute_sigma=True)` and lmfit's
+        `scale_covar=False`. Its `stderr`, `covariance`, `correlation`, report,
+        [`sciflat.band`][] (normal quantiles) and `sciflat.profile` (χ²₁
+        thresholds) follow; the fit itself is unchanged.
+
+        !!! Example
+
+            ```python
+            residuals = lambda m, x, y, sigma: (f(m, x) - y) / sigma
+            result = sciflat.least_squares(residuals, model, args=(x, y, sigma))
+            print(result.with_known_errors().stderr)   # curve_fit's absolute_sigma
+            ```
+
+        Raises a ValueError where the covariance is not scaled by a residual variance
+        (a negative log-likelihood's, or known errors already)."""
+        unc, _ = self._need_uncertainty()
+        return dataclasses.replace(self, uncertainty=unc.with_known_errors())
+
     def report(self, *, min_correlation: float = 0.1) -> str:
         """The fit as text, in the manner of lmfit's `fit_report`: values, standard
         errors and relative errors, correlations above `min_correlation`, χ²,

@@ -6,6 +6,10 @@ the Hessian H of the loss (`minimize`, on request): cov = H⁻¹ for a negative
 log-likelihood, or scaled for a sum or mean of squares. Both through an SVD of the
 column-scaled matrix, so that an ill-conditioned JᵀJ gives finite errors where the
 data determine the parameters and names the directions they do not determine.
+
+With known measurement errors (residuals already divided by their standard
+deviations: `with_known_errors()`), the covariance is (JᵀJ)⁻¹ unscaled, as SciPy's
+`curve_fit(absolute_sigma=True)` and lmfit's `scale_covar=False`.
 """
 
 import dataclasses
@@ -38,12 +42,51 @@ class Uncertainty:
     - `scale`: a sentence saying how the covariance was scaled.
     - `unidentifiable`: each direction of `p` the data do not determine, as a
         combination of parameter names (`"0.71 ['a'] + 0.71 ['b']"`).
+    - `residual_variance`: s², the factor the covariance was scaled by (a least-squares
+        fit, or `hessian_uncertainty` of a sum of squares), or None where it is not
+        scaled (a negative log-likelihood, or known errors).
+    - `dof`: the degrees of freedom m - n of `residual_variance` (None with it): the
+        Student t of [`sciflat.band`][] and the F of `sciflat.profile`.
+
+    `with_known_errors()` gives the unscaled covariance, for residuals that are
+    already in units of their known standard deviations.
     """
 
     covariance: npt.NDArray[np.float64]
     re: Restructure[Any] = dataclasses.field(repr=False)
     scale: str
     unidentifiable: tuple[str, ...] = ()
+    residual_variance: float | None = None
+    dof: int | None = None
+
+    def with_known_errors(self) -> "Uncertainty":
+        """This covariance unscaled, (JᵀJ)⁻¹ (or 2 H⁻¹ of a sum of squares): for
+        residuals already divided by known standard deviations, as SciPy's
+        `curve_fit(..., absolute_sigma=True)` and lmfit's `scale_covar=False`.
+
+        Raises a ValueError where the covariance is not scaled (a negative
+        log-likelihood's, or known errors already) or where s² is undefined (no more
+        residuals than parameters)."""
+        s2 = self.residual_variance
+        if s2 is None:
+            raise ValueError(
+                f"This covariance is not scaled by a residual variance ({self.scale}), "
+                "so there is nothing to unscale: it already assumes known errors."
+            )
+        if not (np.isfinite(s2) and s2 > 0):
+            raise ValueError(
+                f"The residual variance of this fit is {s2}, so the unscaled "
+                "covariance cannot be recovered from the scaled one: it needs more "
+                "residuals than parameters and a non-zero χ²."
+            )
+        delta = self.scale.endswith(DELTA)
+        return dataclasses.replace(
+            self,
+            covariance=self.covariance / s2,
+            scale=KNOWN + (DELTA if delta else ""),
+            residual_variance=None,
+            dof=None,
+        )
 
     @ft.cached_property
     def names(self) -> tuple[str, ...]:
@@ -61,6 +104,14 @@ class Uncertainty:
         s = self.stderr
         with np.errstate(invalid="ignore", divide="ignore"):
             return self.covariance / np.outer(s, s)
+
+
+# How the covariance was scaled, in the words `scale` uses.
+KNOWN = (
+    "(JᵀJ)⁻¹ unscaled: the residuals are in units of their known standard deviations "
+    "(`with_known_errors()`, as SciPy's `curve_fit(absolute_sigma=True)`)"
+)
+DELTA = "; for the constrained values by the delta method"
 
 
 def entry_names(re: Restructure, rename: Any = None) -> tuple[str, ...]:
@@ -154,7 +205,34 @@ def from_jacobian(jac, cost: float, re: Restructure) -> Uncertainty:
     rank = n - len(dropped)
     dof = m - rank
     s2 = 2.0 * cost / dof if dof > 0 else np.nan
-    return Uncertainty(s2 * inner, re, jacobian_scale(cost, m, rank), dropped)
+    scale = jacobian_scale(cost, m, rank)
+    return Uncertainty(s2 * inner, re, scale, dropped, s2, dof)
+
+
+def member_uncertainty(
+    cov,
+    re: Restructure,
+    cost: float,
+    m: int,
+    dropped: tuple[str, ...],
+    scale: str | None,
+) -> Uncertainty:
+    """The `Uncertainty` of a least-squares fit whose covariance `cov` (scaled by s²)
+    was computed elsewhere (on the device, or by a batch): with its s² and dof."""
+    dof = m - (len(re) - len(dropped))
+    s2 = 2.0 * cost / dof if dof > 0 else np.nan
+    text = scale or jacobian_scale(cost, m, len(re) - len(dropped))
+    return Uncertainty(cov, re, text, dropped, s2, dof)
+
+
+def residual_variances(
+    cost: npt.NDArray[np.float64], m: int, n: int, dropped: tuple[tuple[str, ...], ...]
+) -> npt.NDArray[np.float64]:
+    """s² = 2 cost / (m - rank) of each of K least-squares fits (NaN without a dof)."""
+    rank = n - np.array([len(d) for d in dropped] if dropped else [0] * len(cost))
+    dof = m - rank
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(dof > 0, 2.0 * np.asarray(cost) / np.maximum(dof, 1), np.nan)
 
 
 def jacobian_scale(cost: float, m: int, rank: int) -> str:
@@ -183,8 +261,16 @@ def from_hessian(
         return Uncertainty(
             inner, re, "H⁻¹: the loss is a negative log-likelihood", dropped
         )
+    if scale == "chi2":
+        text = (
+            "2 H⁻¹: the loss is χ² = Σ(r/σ)² with known standard deviations σ "
+            "(as SciPy's `curve_fit(absolute_sigma=True)`)"
+        )
+        return Uncertainty(2.0 * inner, re, text, dropped)
     if scale not in ("sse", "mse"):
-        raise ValueError(f"`scale` must be 'nll', 'sse' or 'mse', got {scale!r}.")
+        raise ValueError(
+            f"`scale` must be 'nll', 'chi2', 'sse' or 'mse', got {scale!r}."
+        )
     if n_data is None:
         raise TypeError(f"`scale={scale!r}` needs `n_data=`: the number of residuals.")
     dof = n_data - n
@@ -197,4 +283,4 @@ def from_hessian(
         f"2 s² H⁻¹{'' if scale == 'sse' else ' / m'}: the loss is {what} with the "
         f"residual variance s² = Σr² / (m - n) = {s2:.6g} (m = {n_data}, n = {n})"
     )
-    return Uncertainty(factor * inner, re, text, dropped)
+    return Uncertainty(factor * inner, re, text, dropped, s2, dof)
