@@ -5,6 +5,7 @@ import typing
 from ._audit.api import assert_dtypes as assert_dtypes, audit_dtypes as audit_dtypes
 from ._audit.report import DtypeReport as DtypeReport, Finding as Finding
 from ._diffrax import VectorField as VectorField, vector_field as vector_field
+from ._fitting.band import Band as Band, band as band
 from ._fitting.hessian import hessian_uncertainty as hessian_uncertainty
 from ._fitting.plot import plot_fit as plot_fit
 from ._fitting.programs import clear_caches as clear_caches

@@ -16,7 +16,7 @@ from jaxtyping import Array, Float
 from .._flatten import Restructure
 from .._transforms import constrained, has_transforms, nodes, raw_path
 from .programs import shared, structure_key
-from .uncertainty import Uncertainty, entry_names
+from .uncertainty import DELTA, Uncertainty, entry_names
 
 
 def value_names(re: Restructure) -> tuple[str, ...]:
@@ -29,11 +29,11 @@ def delta_method(
     re: Restructure, x: Float[Array, " n"], covariance: np.ndarray
 ) -> np.ndarray:
     """The covariance of the constrained values from that of `x`: D cov D."""
-    d = np.asarray(_derivative(re)(jnp.asarray(x, jnp.float64)))
+    d = np.asarray(derivative(re)(jnp.asarray(x, jnp.float64)))
     return covariance * np.outer(d, d)
 
 
-def _derivative(re: Restructure):
+def derivative(re: Restructure):
     """`x -> d constrained(re, x) / dx` (each entry depends on itself alone), compiled
     and kept per `re` (by structure, as the fits' functions): run eagerly, each op of
     the `jvp` compiled on its own, 1.6 s of a 2.6 s first fit with two transforms."""
@@ -54,5 +54,5 @@ def for_values(
     return dataclasses.replace(
         unc,
         covariance=delta_method(re, x, unc.covariance),
-        scale=unc.scale + "; for the constrained values by the delta method",
+        scale=unc.scale + DELTA,
     )

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from .._transforms import unwrap
+from .band import band
 from .result import FitResult
 
 
@@ -19,13 +20,19 @@ def plot_fit(
     y: Any,
     *,
     ax: Any = None,
+    level: float | None = None,
+    prediction: bool = False,
 ) -> Any:
     """Plots data and fit (top) and residuals (bottom); returns the matplotlib figure.
+
+    With `level`, the fit's confidence band at that level ([`sciflat.band`][]) is
+    shaded around the curve, and with `prediction=True` the prediction band of new
+    observations too.
 
     !!! Example
 
         ```python
-        fig = sciflat.plot_fit(result, lambda m, x: f(m, x), x, y)
+        fig = sciflat.plot_fit(result, lambda m, x: f(m, x), x, y, level=0.95)
         fig.savefig("fit.png")
         ```
 
@@ -37,6 +44,9 @@ def plot_fit(
         (`sciflat.Positive`, ...) replaced by its constrained value.
     - `x`, `y`: the data (1-d).
     - `ax`: a pair of matplotlib axes to draw into (default: a new figure).
+    - `level`: draw the confidence band at this level (0.95: 95 %); default none.
+    - `prediction`: with `level`, draw the prediction band too (its default noise:
+        see [`sciflat.band`][]).
 
     **Returns:**
 
@@ -64,6 +74,17 @@ def plot_fit(
     fitted = np.asarray(predict(unwrap(result.model), x))
     ax[0].plot(x, y, "o", ms=3, label="data")
     ax[0].plot(x[order], fitted[order], label="fit")
+    if level is not None:
+        xs = x[order]
+        bands = [(False, 0.35, "confidence")] + [
+            (True, 0.15, "prediction")
+        ] * prediction
+        for pred, alpha, what in bands:
+            b = band(result, predict, args=(xs,), level=level, prediction=pred)
+            label = f"{level:.0%} {what} band"
+            ax[0].fill_between(
+                xs, b.lower, b.upper, alpha=alpha, color="C1", label=label
+            )
     ax[0].legend()
     ax[1].plot(x, fitted - y, "o", ms=3)
     ax[1].axhline(0.0, c="gray", lw=0.8)
