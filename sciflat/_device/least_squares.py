@@ -12,7 +12,7 @@ import numpy as np
 from .._fitting.delta import for_values
 from .._fitting.gradients import Mode, choose_modes
 from .._fitting.inputs import checked_inputs
-from .._fitting.problem import check_float64, residual_vector
+from .._fitting.problem import residual_fn
 from .._fitting.programs import Programs
 from .._fitting.result import FitResult
 from .._fitting.uncertainty import (
@@ -23,52 +23,49 @@ from .._fitting.uncertainty import (
 )
 from .._flatten import from_pieces, pieces
 from .._solver import lm as _lm
+from .._solver.minpack import (
+    OPTIONS,
+    Minpack,
+    minpack_options,
+    optimize_result,
+    status_and_message,
+)
 from .._transforms import has_transforms
 
 
-# What the device fit takes; defaults as the SciPy path's (`_scipy_least_squares`).
-OPTIONS = {"ftol", "xtol", "gtol", "max_nfev", "x_scale"}
-_TOL = 1e-12
 # The history keeps the cost of at most this many accepted steps (it is part of the
 # compiled program: one float per step).
 _HISTORY_MAX = 10_000
-# `least_squares`' `status` numbering of SciPy, for `raw.status`.
-_SCIPY_STATUS = {-2: -1, 1: 2, 2: 3, 3: 4, 4: 1, 5: 0, 6: 2, 7: 3, 8: 1}
 
 
-def options(kwargs: dict, n: int, who: str) -> tuple[_lm.Options, int]:
-    """MINPACK's tolerances from `kwargs` (sciflat's defaults), and `max_nfev`."""
+def check_options(kwargs: dict, who: str) -> None:
+    """The device fit takes MINPACK's options only."""
     if extra := sorted(set(kwargs) - OPTIONS):
         raise TypeError(
             f"`{who}` with the device fit takes {sorted(OPTIONS)} as options, got "
             f"{extra}: those are SciPy's (use `method='trf'` for a robust `loss`, ...)."
         )
-    tol = {k: float(kwargs.get(k, _TOL)) for k in ("ftol", "xtol", "gtol")}
-    if any(not v >= 0 for v in tol.values()):
-        raise ValueError(f"`{who}`: `ftol`, `xtol`, `gtol` must be >= 0, got {tol}.")
-    max_nfev = int(kwargs.get("max_nfev") or 2000 * (n + 1))
-    x_scale = kwargs.get("x_scale", "jac")
-    if isinstance(x_scale, str) and x_scale == "jac":
-        diag = np.zeros(n)
-    else:
-        scale = np.broadcast_to(np.asarray(x_scale, np.float64), (n,))
-        if not (np.isfinite(scale).all() and (scale > 0).all()):
-            raise ValueError(f"`{who}`: `x_scale` must be 'jac' or positive numbers.")
-        diag = 1.0 / scale  # as MINPACK's `diag` in `least_squares(method="lm")`
+
+
+def options(kwargs: dict, n: int, who: str) -> tuple[_lm.Options, int]:
+    """MINPACK's options from `kwargs` (sciflat's defaults) as the loop takes them,
+    and `max_nfev`."""
+    check_options(kwargs, who)
+    config = minpack_options(kwargs, n, who)
+    return lm_options(config, n), config.max_nfev
+
+
+def lm_options(options: Minpack, n: int) -> _lm.Options:
+    """`options` as float64 scalars and `diag` (zeros: from the Jacobian)."""
+    diag = np.zeros(n) if options.diag is None else options.diag
     f64 = lambda v: np.asarray(v, np.float64)
-    opts = _lm.Options(
-        f64(tol["ftol"]), f64(tol["xtol"]), f64(tol["gtol"]), f64(max_nfev), f64(diag)
+    return _lm.Options(
+        f64(options.ftol),
+        f64(options.xtol),
+        f64(options.gtol),
+        f64(options.max_nfev),
+        f64(diag),
     )
-    return opts, max_nfev
-
-
-def residual_fn(residuals, re, rebuild) -> Callable:
-    def r(x, leaves):
-        out = residual_vector(residuals(re(x), *rebuild(leaves)))
-        check_float64(out, "The residuals")
-        return out
-
-    return r
 
 
 def with_jacobian(r: Callable, mode: str) -> Callable:
@@ -216,15 +213,6 @@ def check_shape(m: int, n: int, who: str) -> None:
         )
 
 
-def status_and_message(info: int, max_nfev: int) -> tuple[Any, str]:
-    status, message = _lm.MESSAGES.get(int(info), ("failed", f"info {int(info)}."))
-    if status == "max_steps":
-        message += (
-            f" Raise `max_nfev` (it was {max_nfev}) to go further, or start closer."
-        )
-    return status, message
-
-
 def least_squares_on_device(
     residuals: Callable,
     model: Any,
@@ -267,8 +255,6 @@ def least_squares_on_device(
 def fit_result(out: dict, re, n_history: int, max_nfev: int, how: str) -> FitResult:
     """The `FitResult` of one finished fit: `out` from the compiled program, brought
     to the host at once (`p` and the model stay on the device)."""
-    import scipy.optimize
-
     model = from_pieces(re, out["model"])
     p = out["x"]
     host = _unpack(np.asarray(out["host"]), len(re), n_history)
@@ -284,19 +270,17 @@ def fit_result(out: dict, re, n_history: int, max_nfev: int, how: str) -> FitRes
         unc = uncertainty(host["cov"], on_device, host["jac"], cost, re, x, model)
     njev = int(host["njev"])
     history = host["history"][: min(njev, len(host["history"]))]
-    raw = scipy.optimize.OptimizeResult(
+    raw = optimize_result(
         x=x,
         cost=cost,
-        fun=host["f"],
+        f=host["f"],
         jac=host["jac"],
         grad=host["grad"],
         optimality=host["optimality"],
-        active_mask=np.zeros(len(x), int),
-        nfev=int(host["nfev"]),
+        nfev=host["nfev"],
         njev=njev,
-        status=_SCIPY_STATUS.get(info, -1),
+        info=info,
         message=message,
-        success=status == "converged",
     )
     return FitResult(
         model=model,

@@ -167,6 +167,18 @@ def residual_vector(out) -> jax.Array:
     return jnp.ravel(out)  # pyright: ignore[reportArgumentType]
 
 
+def residual_fn(residuals: Callable, re: Callable, rebuild: Callable) -> Callable:
+    """`(x, leaves) -> residuals(re(x), *args)` as one float64 vector, or a clear
+    error (`leaves`, `rebuild`: `args` as `split_args` splits them)."""
+
+    def r(x, leaves):
+        out = residual_vector(residuals(re(x), *rebuild(leaves)))
+        check_float64(out, "The residuals")
+        return out
+
+    return r
+
+
 def _indices(bad: np.ndarray) -> str:
     """`[1, 3]`, or `[(0, 1), (2, 0)]` for a 2-d array, at most 10 shown."""
     shown = [int(i[0]) if len(i) == 1 else tuple(int(j) for j in i) for i in bad[:10]]

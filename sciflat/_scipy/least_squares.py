@@ -14,15 +14,22 @@ from .._fitting.delta import for_values
 from .._fitting.gradients import Mode, choose_modes
 from .._fitting.inputs import checked_inputs
 from .._fitting.problem import (
-    check_float64,
     data_by_keyword,
     nonfinite_start_message,
-    residual_vector,
+    residual_fn,
 )
 from .._fitting.programs import Programs
 from .._fitting.result import FitResult, Status
 from .._fitting.uncertainty import from_jacobian
-from .._solver import lm as _lm
+from .._solver.minpack import (
+    OPTIONS,
+    Minpack,
+    describe,
+    minpack_options,
+    more_evaluations,
+    optimize_result,
+    with_defaults,
+)
 from .bounds import flat_bounds
 from .host import (
     BlasThreads,
@@ -38,18 +45,8 @@ _M = TypeVar("_M")
 _METHODS = ("auto", "trf", "dogbox", "lm", "device")
 # What MINPACK's `lm` takes besides what sciflat passes; anything else (a robust
 # `loss`, `tr_solver`, `jac_sparsity`, ...) is a `trf` option.
-_LM_OPTIONS = {"ftol", "xtol", "gtol", "x_scale", "max_nfev", "diff_step", "verbose"}
+_LM_OPTIONS = OPTIONS | {"diff_step", "verbose"}
 _OURS = ("fun", "x0", "jac", "kwargs")
-# SciPy's tolerances (1e-8) stop Chwirut1/2 a digit short of lmfit, and its evaluation
-# limit (100 n) stops NIST Bennett5 at 1.9 digits: 1e-12 reaches >= 7 digits on all
-# eight lower-difficulty StRD problems for one or two more evaluations, and lmfit's
-# limit is 2000 (n + 1). (`docs/parameter_estimation.md` has the table.)
-_TOL = 1e-12
-
-
-def _defaults(kwargs: dict, n: int) -> dict:
-    tolerances = {k: _TOL for k in ("ftol", "xtol", "gtol")}
-    return {**tolerances, "max_nfev": 2000 * (n + 1), **kwargs}
 
 
 def _status(res) -> Status:
@@ -152,7 +149,7 @@ def least_squares(
     modes = choose_modes(mode, len(re) <= m)
     jac_fn, used = programs.first_working("jacobian", modes, start)
     limit = blas_threads_limit(blas_threads, len(re) * m)
-    kwargs = _defaults(kwargs, len(re))
+    kwargs = with_defaults(kwargs, len(re))
     if method == "auto":
         lm_fits = lb_ub is None and m >= len(re) and set(kwargs) <= _LM_OPTIONS
         method = "lm" if lm_fits else "trf"
@@ -277,8 +274,13 @@ def _solve(method, start, lb_ub, res_fn, jac_fn, leaves, re, tracker, limit, kwa
 
     def call():
         with limit, np.errstate(over="ignore"):  # SciPy's own cost may overflow too
-            if method == "lm" and set(kwargs) <= _MINPACK_OPTIONS:
-                return _minpack(fun, jac, start, **kwargs)
+            # Rule: `lm` calls MINPACK's `lmder` through `scipy.optimize.leastsq`,
+            # whose iterates are `least_squares(method="lm")`'s exactly (tested),
+            # without its per-call wrappers (docs/parameter_estimation.md has what
+            # they cost a small fit).
+            if method == "lm" and set(kwargs) <= OPTIONS:
+                options = minpack_options(kwargs, len(start), "least_squares")
+                return _minpack(fun, jac, start, options)
             return scipy.optimize.least_squares(
                 fun,
                 start,
@@ -292,29 +294,12 @@ def _solve(method, start, lb_ub, res_fn, jac_fn, leaves, re, tracker, limit, kwa
     if res is not None:
         status, value = _status(res), res.cost
         if status == "max_steps":
-            message += (
-                f" Raise `max_nfev` (it was {kwargs['max_nfev']}) to go further, or"
-                " start closer."
-            )
+            message += more_evaluations(kwargs["max_nfev"])
     return res, status, message, x, value, rejected[0]
 
 
-# Rule: `lm` calls MINPACK's `lmder` through `scipy.optimize.leastsq`, whose iterates
-# are `least_squares(method="lm")`'s exactly (tested), without its per-call wrappers
-# (docs/parameter_estimation.md has what they cost a small fit).
-_MINPACK_OPTIONS = {"ftol", "xtol", "gtol", "x_scale", "max_nfev"}
-# MINPACK's `info` code -> `least_squares`' `status` numbering. The words are the
-# device fit's (`_lm.MESSAGES`): one table of what MINPACK's codes mean.
-_MINPACK_STATUS = {0: -1, 1: 2, 2: 3, 3: 4, 4: 1, 5: 0, 6: 2, 7: 3, 8: 1}
-
-
-def _minpack(fun, jac, x0, *, ftol, xtol, gtol, max_nfev, x_scale="jac"):
+def _minpack(fun, jac, x0, options: Minpack):
     """Levenberg–Marquardt by MINPACK, returned as `least_squares` returns it."""
-    n = len(x0)
-    if isinstance(x_scale, str) or x_scale is None:
-        diag = None  # "jac": MINPACK scales by the Jacobian's columns
-    else:
-        diag = 1.0 / np.broadcast_to(np.asarray(x_scale, np.float64), (n,))
     # `leastsq` first calls both at `x0` to check their shapes, and MINPACK calls them
     # there again: served once, as `least_squares` serves them (nothing is counted or
     # recorded twice). MINPACK copies what they return.
@@ -324,31 +309,27 @@ def _minpack(fun, jac, x0, *, ftol, xtol, gtol, max_nfev, x_scale="jac"):
         x0,
         Dfun=jac,
         full_output=True,
-        ftol=ftol,
-        xtol=xtol,
-        gtol=gtol,
-        maxfev=max_nfev,
-        diag=diag,
+        ftol=options.ftol,
+        xtol=options.xtol,
+        gtol=options.gtol,
+        maxfev=options.max_nfev,
+        diag=options.diag,  # pyright: ignore[reportArgumentType]
     )
     x, info, code = out[0], out[2], out[4]  # with `full_output`, five things
-    status = _MINPACK_STATUS.get(code, -1)
-    unknown = "MINPACK refused its input." if code == 0 else f"MINPACK's info {code}."
-    message = _lm.MESSAGES.get(code, (None, unknown))[1]
+    message = describe(code)[1]  # what to do at `max_nfev`: in the fit's message
     f, J = info["fvec"], jac(x)  # `least_squares` too asks for the final Jacobian
     grad = J.T @ f
-    return scipy.optimize.OptimizeResult(
+    return optimize_result(
         x=x,
         cost=_cost(f),
-        fun=f,
+        f=f,
         jac=J,
         grad=grad,
         optimality=np.max(np.abs(grad), initial=0.0),
-        active_mask=np.zeros(n, int),
         nfev=info["nfev"],
         njev=info["njev"],
-        status=status,
+        info=code,
         message=message,
-        success=status > 0,
     )
 
 
@@ -369,11 +350,7 @@ def _cost(residuals: np.ndarray) -> float:
 
 
 def _build(kind: str, residuals, re, rebuild, mode: str) -> Callable:
-    def r(x, leaves):
-        out = residual_vector(residuals(re(x), *rebuild(leaves)))
-        check_float64(out, "The residuals")
-        return out
-
+    r = residual_fn(residuals, re, rebuild)
     if kind == "residuals":
         return r
     jacobian = jax.jacfwd if mode == "forward" else jax.jacrev

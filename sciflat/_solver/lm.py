@@ -35,39 +35,7 @@ _FACTOR = 100.0  # MINPACK's initial radius: factor * ||D x0||
 
 # `info` codes: MINPACK's, plus two of ours (0 while running).
 NONFINITE_START = -2
-# What each code means: (status, message).
-MESSAGES = {
-    NONFINITE_START: (
-        "nonfinite",
-        "The residuals or the Jacobian are non-finite at the start.",
-    ),
-    1: (
-        "converged",
-        "Converged: the sum of squares decreases by at most a fraction `ftol`.",
-    ),
-    2: (
-        "converged",
-        "Converged: the step is at most a fraction `xtol` of the parameters.",
-    ),
-    3: ("converged", "Converged: both the `ftol` and the `xtol` tests hold."),
-    4: (
-        "converged",
-        "Converged: the residuals are orthogonal to the Jacobian to `gtol`.",
-    ),
-    5: ("max_steps", "Reached `max_nfev` residual evaluations."),
-    6: (
-        "converged",
-        "Converged: `ftol` is too small, no further reduction is possible.",
-    ),
-    7: (
-        "converged",
-        "Converged: `xtol` is too small, the parameters cannot be improved.",
-    ),
-    8: (
-        "converged",
-        "Converged: `gtol` is too small, the gradient vanishes to precision.",
-    ),
-}
+# What each code means: `minpack.MESSAGES`.
 
 
 class Options(NamedTuple):
