@@ -612,6 +612,22 @@ def test_every_float64_fit_checks_its_inputs_in_one_order(name):
         run(residuals, _Rate(1.0), args=np.ones(2))
 
 
+@pytest.mark.parametrize("method", ["lm", "device"])
+def test_minpack_options_are_checked_alike_on_the_host_and_the_device(method):
+    # Both run MINPACK's Levenberg–Marquardt from one record of its options.
+    fit = lambda **kw: sciflat.least_squares(
+        lambda m: m["w"] - 1.0,
+        {"w": jnp.asarray([1.0, 2.0])},
+        method=method,
+        progress=False,
+        **kw,
+    )
+    with pytest.raises(ValueError, match=r"`least_squares`: `ftol`, `xtol`, `gtol` mu"):
+        fit(ftol=-1.0)
+    with pytest.raises(ValueError, match=r"`x_scale` must be 'jac' or positive"):
+        fit(x_scale=np.array([1.0, 0.0]))
+
+
 def _starts_of(who: str):
     """`starts` handed to `multistart` or `least_squares_batch`, with the data."""
     res = lambda m: jnp.concatenate([jnp.ravel(m["a"]) - 1.0, jnp.ravel(m["b"])])

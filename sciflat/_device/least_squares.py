@@ -3,7 +3,6 @@ compiled program (`_lm.py`), on the problem layer the SciPy fits share."""
 
 import math
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +10,7 @@ import numpy as np
 
 from .._fitting.delta import for_values
 from .._fitting.gradients import Mode, choose_modes
-from .._fitting.inputs import checked_inputs
+from .._fitting.inputs import Inputs
 from .._fitting.problem import residual_fn
 from .._fitting.programs import Programs
 from .._fitting.result import FitResult
@@ -213,43 +212,20 @@ def check_shape(m: int, n: int, who: str) -> None:
         )
 
 
-def least_squares_on_device(
-    residuals: Callable,
-    model: Any,
-    *,
-    args: tuple,
-    bounds: Any,
-    mode: Mode,
-    x0: Any,
-    filter_spec: Any,
-    callback: Any,
-    kwargs: dict,
-) -> FitResult:
-    """What `sciflat.least_squares(..., method="device")` runs."""
-    who = "least_squares"
-    if bounds is not None:
-        raise ValueError(
-            "`method='device'` does not take bounds; use 'trf' or 'dogbox', or a "
-            "`sciflat.Positive`/`Interval` transform of the parameter."
-        )
-    if callback is not None:
-        raise TypeError(
-            "`method='device'` runs the whole fit as one compiled program, so it "
-            "cannot call `callback` between iterations: use `method='lm'`."
-        )
-    inputs = checked_inputs(residuals, model, args, x0, filter_spec, who)
-    residuals, start, re, args = inputs.fn, inputs.start, inputs.re, inputs.args
-    opts, max_nfev = options(kwargs, len(re), who)
+def least_squares_on_device(inputs: Inputs, options: Minpack, mode: Mode) -> FitResult:
+    """What `sciflat.least_squares(..., method="device")` runs, once its front has
+    checked the inputs and the options."""
     # One call: the data go to the device with it (`jax.jit` copies NumPy arrays).
-    programs = Programs(_build, residuals, re, args, to_device=False)
-    n_history = min(max_nfev, _HISTORY_MAX) + 1
+    re = inputs.re
+    programs = Programs(_build, inputs.fn, re, inputs.args, to_device=False)
+    n_history = min(options.max_nfev, _HISTORY_MAX) + 1
     kind = f"device:{n_history}"
     # Forward mode first: the fit needs m >= n, where it is the cheaper one.
-    start = packed_start(start, opts)
+    start = packed_start(inputs.start, lm_options(options, len(re)))
     fn, used = programs.first_working(kind, choose_modes(mode, True), start)
     out = fn(start, programs.leaves)
     how = f"Jacobian: {used} mode"
-    return fit_result(out, re, n_history, max_nfev, how)
+    return fit_result(out, re, n_history, options.max_nfev, how)
 
 
 def fit_result(out: dict, re, n_history: int, max_nfev: int, how: str) -> FitResult:

@@ -1,58 +1,37 @@
-"""`scipy.optimize.least_squares` on a model: residuals and Jacobian by JAX."""
+"""`least_squares`, the front: it checks `method` and the options once, and hands one
+engine its configuration: SciPy's `trf`, `dogbox` or `lm`, or MINPACK's `lmder`
+(`engines.py`, on the host), or the device fit (`_device/least_squares.py`)."""
 
-import math
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import scipy.optimize
 from jaxtyping import Array, Float, PyTree
 
+from .._device import least_squares as on_device
 from .._fitting.delta import for_values
 from .._fitting.gradients import Mode, choose_modes
-from .._fitting.inputs import checked_inputs
-from .._fitting.problem import (
-    data_by_keyword,
-    nonfinite_start_message,
-    residual_fn,
-)
+from .._fitting.inputs import Inputs, checked_inputs
+from .._fitting.problem import data_by_keyword, nonfinite_start_message, residual_fn
 from .._fitting.programs import Programs
-from .._fitting.result import FitResult, Status
+from .._fitting.result import FitResult
 from .._fitting.uncertainty import from_jacobian
-from .._solver.minpack import (
-    OPTIONS,
-    Minpack,
-    describe,
-    minpack_options,
-    more_evaluations,
-    optimize_result,
-    with_defaults,
-)
+from .._solver.minpack import OPTIONS, minpack_options, with_defaults
 from .bounds import flat_bounds
-from .host import (
-    BlasThreads,
-    NonFinite,
-    Tracker,
-    blas_threads_limit,
-    nonfinite_message,
-    run,
-)
+from .engines import Engine, Run, solve
+from .host import BlasThreads, Tracker, blas_threads_limit
 
 
 _M = TypeVar("_M")
+_WHO = "least_squares"
 _METHODS = ("auto", "trf", "dogbox", "lm", "device")
-# What MINPACK's `lm` takes besides what sciflat passes; anything else (a robust
-# `loss`, `tr_solver`, `jac_sparsity`, ...) is a `trf` option.
+# What SciPy's `lm` takes besides MINPACK's options; anything else (a robust `loss`,
+# `tr_solver`, `jac_sparsity`, ...) is a `trf` option.
 _LM_OPTIONS = OPTIONS | {"diff_step", "verbose"}
 _OURS = ("fun", "x0", "jac", "kwargs")
-
-
-def _status(res) -> Status:
-    if res.status > 0:
-        return "converged"
-    return "max_steps" if res.status == 0 else "failed"
 
 
 @data_by_keyword
@@ -119,234 +98,144 @@ def least_squares(
     `stderr`, `covariance`, `chisqr`, ... and `print(result)` as in
     [Parameter estimation](parameter_estimation.md).
     """
+    _check(method, bounds, callback, kwargs)
+    inputs = checked_inputs(residuals, model, args, x0, filter_spec, _WHO)
+    if method == "device":  # the whole fit as one compiled program
+        options = minpack_options(kwargs, len(inputs.re), _WHO)
+        return on_device.least_squares_on_device(inputs, options, mode)
+    return _on_host(
+        inputs, method, bounds, mode, callback, progress, blas_threads, kwargs
+    )
+
+
+def _check(method: str, bounds, callback, kwargs: dict) -> None:
+    """What no engine takes, refused before anything is traced."""
     if clash := [k for k in _OURS if k in kwargs]:
         raise TypeError(f"`least_squares` handles {clash} itself; do not pass them.")
     if method not in _METHODS:
         raise ValueError(f"`method` must be one of {_METHODS}, got {method!r}.")
     if method == "lm" and bounds is not None:
         raise ValueError("`method='lm'` does not take bounds; use 'trf' or 'dogbox'.")
-    if method == "device":  # the whole fit as one compiled program
-        from .._device.least_squares import least_squares_on_device
-
-        return least_squares_on_device(
-            residuals,
-            model,
-            args=args,
-            bounds=bounds,
-            mode=mode,
-            x0=x0,
-            filter_spec=filter_spec,
-            callback=callback,
-            kwargs=kwargs,
+    if method != "device":
+        return
+    if bounds is not None:
+        raise ValueError(
+            "`method='device'` does not take bounds; use 'trf' or 'dogbox', or a "
+            "`sciflat.Positive`/`Interval` transform of the parameter."
         )
-    inputs = checked_inputs(residuals, model, args, x0, filter_spec, "least_squares")
-    residuals, start, re, args = inputs.fn, inputs.start, inputs.re, inputs.args
+    if callback is not None:
+        raise TypeError(
+            "`method='device'` runs the whole fit as one compiled program, so it "
+            "cannot call `callback` between iterations: use `method='lm'`."
+        )
+    on_device.check_options(kwargs, _WHO)
+
+
+def _engine(method: str, unbounded: bool, m: int, n: int, kwargs: dict) -> Engine:
+    """The host's engine. `"auto"`, as `scipy.optimize.curve_fit` and lmfit: `lm`
+    when there are no bounds, at least as many residuals as parameters and no option
+    only `trf` takes; `trf` otherwise."""
+    fallback = False
+    if method == "auto":
+        fallback = unbounded and m >= n and set(kwargs) <= _LM_OPTIONS
+        method = "lm" if fallback else "trf"
+    if method == "lm" and set(kwargs) <= OPTIONS:
+        options = minpack_options(kwargs, n, _WHO)
+        return Engine("minpack", minpack=options, fallback=fallback)
+    scipy = tuple(with_defaults(kwargs, n).items())
+    return Engine(method, scipy=scipy, fallback=fallback)  # pyright: ignore[reportArgumentType]
+
+
+def _on_host(
+    inputs: Inputs, method, bounds, mode, callback, progress, blas_threads, kwargs
+) -> FitResult:
+    residuals, start, re = inputs.fn, inputs.start, inputs.re
     lb_ub = flat_bounds(bounds, re, start)
-    programs = Programs(_build, residuals, re, args)
+    programs = Programs(_build, residuals, re, inputs.args)
     leaves = programs.leaves
     res_fn = programs.get("residuals", "none", start)
     m = programs.out_info["residuals"].shape[0]
     modes = choose_modes(mode, len(re) <= m)
     jac_fn, used = programs.first_working("jacobian", modes, start)
     limit = blas_threads_limit(blas_threads, len(re) * m)
-    kwargs = with_defaults(kwargs, len(re))
-    if method == "auto":
-        lm_fits = lb_ub is None and m >= len(re) and set(kwargs) <= _LM_OPTIONS
-        method = "lm" if lm_fits else "trf"
-        fallback = lm_fits
-    else:
-        fallback = False
+    engine = _engine(method, lb_ub is None, m, len(re), kwargs)
 
-    def attempt(method):
-        tracker = Tracker(re, callback, progress, f"least_squares ({method})")
-        solved = _solve(
-            method, start, lb_ub, res_fn, jac_fn, leaves, re, tracker, limit, kwargs
-        )
-        return tracker, *solved
+    def attempt(engine: Engine) -> tuple[Tracker, Run]:
+        tracker = Tracker(re, callback, progress, f"least_squares ({engine.method})")
+        run = solve(engine, start, lb_ub, res_fn, jac_fn, leaves, re, tracker, limit)
+        return tracker, run
 
-    tracker, res, status, message, x, value, n_rejected = attempt(method)
+    tracker, run = attempt(engine)
     n_calls = tracker.n_calls
-    if status == "nonfinite" and tracker.best_x is None:  # at the start: say why
+    if run.status == "nonfinite" and tracker.best_x is None:  # at the start: say why
         r0 = np.asarray(res_fn(start, leaves))
-        message, n_calls = nonfinite_start_message("The residuals are", args, r0), 1
+        message = nonfinite_start_message("The residuals are", inputs.args, r0)
+        run, n_calls = dataclasses.replace(run, message=message), 1
     # MINPACK rejects a trial step to non-finite residuals and shrinks it, as SciPy's
     # `lm` does; but a problem that overflows may have led it to a poorer minimum
     # (NIST BoxBOD from Start 1, where `curve_fit` ends at a constant): then `trf`
     # runs from the start too, and the lower cost wins. A stop (a non-finite
     # Jacobian) hands over to `trf` outright.
-    elif fallback and (status == "nonfinite" or n_rejected):
-        lm = (tracker, res, status, message, x, value)
-        trf = attempt("trf")[:6]
-        n_calls += trf[0].n_calls
-        lm_better = status != "nonfinite" and (
-            trf[2] == "nonfinite" or not float(trf[5]) < float(value)
-        )
-        tracker, res, status, message, x, value = lm if lm_better else trf
-        if lm_better:
-            message += (
-                f" (`lm` rejected {n_rejected} trial steps to non-finite residuals;"
-                f" `trf`, run from the start too, ended at cost {float(trf[5]):.6g}.)"
-            )
-        else:
-            method = "trf"
-            why = (
-                "stopped at non-finite values"
-                if lm[2] == "nonfinite"
-                else f"stepped to non-finite residuals and ended at cost {float(lm[5]):.6g}"
-            )
-            message += f" (`lm` {why}; `trf` ran from the start.)"
-    p = jnp.asarray(np.asarray(x, dtype=np.float64))
+    elif engine.fallback and (run.status == "nonfinite" or run.rejected):
+        trf = Engine("trf", scipy=tuple(with_defaults(kwargs, len(re)).items()))
+        trf_tracker, trf_run = attempt(trf)
+        n_calls += trf_tracker.n_calls
+        run, lm_won = _better(run, trf_run)
+        if not lm_won:
+            tracker, engine = trf_tracker, trf
     # Standard errors from the Jacobian at the solution: SciPy's own (for the linear
-    # loss, `res.jac` is the Jacobian at `res.x`), or one more Jacobian call.
-    unc, fitted = None, re(p)
-    if kwargs.get("loss", "linear") == "linear" and np.isfinite(value):
-        jac_x = res.jac if res is not None else jac_fn(x, leaves)
-        unc = for_values(
-            from_jacobian(np.asarray(jac_x), float(value), re), re, x, fitted
+    # loss, `raw.jac` is the Jacobian at `x`), or one more Jacobian call.
+    jac = None
+    if kwargs.get("loss", "linear") == "linear" and np.isfinite(run.cost):
+        jac = run.raw.jac if run.raw is not None else jac_fn(run.x, leaves)
+    how = f"method: {engine.method}; Jacobian: {used} mode"
+    return _fit_result(run, jac, tracker, re, m, n_calls, how)
+
+
+def _better(lm: Run, trf: Run) -> tuple[Run, bool]:
+    """Of `lm`, which met non-finite residuals, and `trf` from the same start, the
+    one with the lower cost (`lm` where neither is lower), its message saying what
+    the other did; and whether it is `lm`."""
+    lm_won = lm.status != "nonfinite" and (
+        trf.status == "nonfinite" or not float(trf.cost) < float(lm.cost)
+    )
+    if lm_won:
+        why = (
+            f" (`lm` rejected {lm.rejected} trial steps to non-finite residuals;"
+            f" `trf`, run from the start too, ended at cost {float(trf.cost):.6g}.)"
         )
+        return dataclasses.replace(lm, message=lm.message + why), True
+    what = (
+        "stopped at non-finite values"
+        if lm.status == "nonfinite"
+        else f"stepped to non-finite residuals and ended at cost {float(lm.cost):.6g}"
+    )
+    why = f" (`lm` {what}; `trf` ran from the start.)"
+    return dataclasses.replace(trf, message=trf.message + why), False
+
+
+def _fit_result(run: Run, jac, tracker: Tracker, re, m: int, n_calls: int, how: str):
+    p = jnp.asarray(np.asarray(run.x, dtype=np.float64))
+    fitted, cost = re(p), float(run.cost)
+    unc = None
+    if jac is not None:
+        unc = from_jacobian(np.asarray(jac), cost, re)
+        unc = for_values(unc, re, run.x, fitted)
     return FitResult(
         model=fitted,
         p=p,
-        loss=float(value),
-        status=status,
-        message=f"{message} (method: {method}; Jacobian: {used} mode)",
+        loss=cost,
+        status=run.status,
+        message=f"{run.message} ({how})",
         history=np.asarray(tracker.history),
         n_steps=len(tracker.history),
-        raw=res,
+        raw=run.raw,
         re=re,
         uncertainty=unc,
-        chisqr=2.0 * float(value),
+        chisqr=2.0 * cost,
         n_data=m,
         n_evaluations=n_calls,
     )
-
-
-def _solve(method, start, lb_ub, res_fn, jac_fn, leaves, re, tracker, limit, kwargs):
-    """One run of SciPy's `least_squares`: `(raw, status, message, x, cost,
-    rejected)`, `rejected` the number of trial points with non-finite residuals."""
-    rejected = [0]
-
-    def fun(x):
-        out = np.array(res_fn(x, leaves))
-        # Finite residuals whose sum of squares overflows are not an error: SciPy's
-        # cost is then inf and it shrinks the step (NIST BoxBOD from Start 1). Nor
-        # are non-finite residuals at a trial point: both `trf` (it checks) and
-        # MINPACK (NaN or inf fails its reduction test) reject the step and shrink
-        # it, as in SciPy. Only at the start is there no step to reject.
-        cost = _cost(out)
-        start = tracker.n_calls == 0
-        if start and not math.isfinite(cost) and not np.isfinite(out).all():
-            jac = np.asarray(jac_fn(x, leaves))
-            where = f"call {tracker.n_calls + 1} (iteration {len(tracker.history)})"
-            raise NonFinite(
-                nonfinite_message(
-                    f"The residuals are non-finite ({int((~np.isfinite(out)).sum())} entries)",
-                    where,
-                    x,
-                    np.where(np.isfinite(jac), 0.0, np.nan).sum(0),
-                    re,
-                    "Jacobian",
-                )
-            )
-        if not math.isfinite(cost) and not np.isfinite(out).all():
-            rejected[0] += 1
-        tracker.seen(x, cost)
-        return out
-
-    def jac(x, *_):
-        out = np.array(jac_fn(x, leaves))
-        if not np.isfinite(out).all():
-            where = f"iteration {len(tracker.history) + 1}"
-            raise NonFinite(
-                nonfinite_message(
-                    "The Jacobian is non-finite",
-                    where,
-                    x,
-                    np.where(np.isfinite(out), 0.0, np.nan).sum(0),
-                    re,
-                    "Jacobian",
-                )
-            )
-        # SciPy asks for the Jacobian once per iteration, at the accepted point.
-        cost = tracker.cost_at(x)
-        tracker.iteration(x, _cost(fun(x)) if cost is None else cost)
-        return out
-
-    def call():
-        with limit, np.errstate(over="ignore"):  # SciPy's own cost may overflow too
-            # Rule: `lm` calls MINPACK's `lmder` through `scipy.optimize.leastsq`,
-            # whose iterates are `least_squares(method="lm")`'s exactly (tested),
-            # without its per-call wrappers (docs/parameter_estimation.md has what
-            # they cost a small fit).
-            if method == "lm" and set(kwargs) <= OPTIONS:
-                options = minpack_options(kwargs, len(start), "least_squares")
-                return _minpack(fun, jac, start, options)
-            return scipy.optimize.least_squares(
-                fun,
-                start,
-                jac=jac,  # pyright: ignore[reportArgumentType]
-                method=method,
-                bounds=lb_ub if lb_ub is not None else (-np.inf, np.inf),
-                **kwargs,
-            )
-
-    res, status, message, x, value = run(call, tracker, start)
-    if res is not None:
-        status, value = _status(res), res.cost
-        if status == "max_steps":
-            message += more_evaluations(kwargs["max_nfev"])
-    return res, status, message, x, value, rejected[0]
-
-
-def _minpack(fun, jac, x0, options: Minpack):
-    """Levenberg–Marquardt by MINPACK, returned as `least_squares` returns it."""
-    # `leastsq` first calls both at `x0` to check their shapes, and MINPACK calls them
-    # there again: served once, as `least_squares` serves them (nothing is counted or
-    # recorded twice). MINPACK copies what they return.
-    fun, jac = _last_one(fun), _last_one(jac)
-    out: tuple = scipy.optimize.leastsq(  # pyright: ignore[reportAssignmentType]
-        fun,
-        x0,
-        Dfun=jac,
-        full_output=True,
-        ftol=options.ftol,
-        xtol=options.xtol,
-        gtol=options.gtol,
-        maxfev=options.max_nfev,
-        diag=options.diag,  # pyright: ignore[reportArgumentType]
-    )
-    x, info, code = out[0], out[2], out[4]  # with `full_output`, five things
-    message = describe(code)[1]  # what to do at `max_nfev`: in the fit's message
-    f, J = info["fvec"], jac(x)  # `least_squares` too asks for the final Jacobian
-    grad = J.T @ f
-    return optimize_result(
-        x=x,
-        cost=_cost(f),
-        f=f,
-        jac=J,
-        grad=grad,
-        optimality=np.max(np.abs(grad), initial=0.0),
-        nfev=info["nfev"],
-        njev=info["njev"],
-        info=code,
-        message=message,
-    )
-
-
-def _last_one(f: Callable[[np.ndarray], np.ndarray]) -> Callable:
-    """`f`, called again only when `x` differs from the last call's."""
-    last: list = [None, None]
-
-    def f_once(x, *_):
-        if last[0] is None or not np.array_equal(x, last[0]):
-            last[:] = [np.array(x), f(x)]
-        return last[1]
-
-    return f_once
-
-
-def _cost(residuals: np.ndarray) -> float:
-    return 0.5 * float(residuals @ residuals)  # overflow: `call` ignores it
 
 
 def _build(kind: str, residuals, re, rebuild, mode: str) -> Callable:

@@ -1,0 +1,188 @@
+"""The host's engines of `least_squares`: SciPy's `trf`, `dogbox` and `lm`, and
+MINPACK's `lmder` called directly; one run of the one that `Engine` names."""
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any, Literal
+
+import numpy as np
+import scipy.optimize
+
+from .._fitting.result import Status
+from .._solver.minpack import (
+    Minpack,
+    describe,
+    more_evaluations,
+    optimize_result,
+)
+from .host import NonFinite, nonfinite_message, run
+
+
+@dataclasses.dataclass(frozen=True)
+class Engine:
+    """Which engine runs a host fit, and its options: the front (`least_squares`)
+    decides once. `"minpack"` is `lm` through MINPACK's `lmder` directly (as
+    `scipy.optimize.leastsq`, whose iterates are `least_squares(method="lm")`'s
+    exactly, without its per-call wrappers), when every option is MINPACK's."""
+
+    name: Literal["trf", "dogbox", "lm", "minpack"]
+    minpack: Minpack | None = None  # for "minpack"
+    # For SciPy's methods: its options (sciflat's defaults filled in), as pairs.
+    scipy: tuple[tuple[str, Any], ...] = ()
+    # `lm` chosen by `"auto"`: where it met non-finite residuals, `trf` runs too.
+    fallback: bool = False
+
+    @property
+    def method(self) -> str:
+        """The method, as a fit's message names it."""
+        return "lm" if self.name == "minpack" else self.name
+
+    @property
+    def max_nfev(self) -> Any:
+        if self.minpack is not None:
+            return self.minpack.max_nfev
+        return dict(self.scipy)["max_nfev"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Run:
+    """One run of an engine: SciPy's result (None when stopped), the status, the
+    message, the point and its cost, and how many trial points had non-finite
+    residuals."""
+
+    raw: Any
+    status: Status
+    message: str
+    x: Any  # float64: the best point, or SciPy's
+    cost: float
+    rejected: int
+
+
+def solve(engine: Engine, start, lb_ub, res_fn, jac_fn, leaves, re, tracker, limit):
+    """One run of `engine` from `start` (`res_fn`, `jac_fn`: the compiled residuals
+    and Jacobian, at `(x, leaves)`): a `Run`."""
+    rejected = [0]
+
+    def fun(x):
+        out = np.array(res_fn(x, leaves))
+        # Finite residuals whose sum of squares overflows are not an error: SciPy's
+        # cost is then inf and it shrinks the step (NIST BoxBOD from Start 1). Nor
+        # are non-finite residuals at a trial point: both `trf` (it checks) and
+        # MINPACK (NaN or inf fails its reduction test) reject the step and shrink
+        # it, as in SciPy. Only at the start is there no step to reject.
+        cost = _cost(out)
+        start = tracker.n_calls == 0
+        if start and not math.isfinite(cost) and not np.isfinite(out).all():
+            jac = np.asarray(jac_fn(x, leaves))
+            where = f"call {tracker.n_calls + 1} (iteration {len(tracker.history)})"
+            raise NonFinite(
+                nonfinite_message(
+                    f"The residuals are non-finite ({int((~np.isfinite(out)).sum())} entries)",
+                    where,
+                    x,
+                    np.where(np.isfinite(jac), 0.0, np.nan).sum(0),
+                    re,
+                    "Jacobian",
+                )
+            )
+        if not math.isfinite(cost) and not np.isfinite(out).all():
+            rejected[0] += 1
+        tracker.seen(x, cost)
+        return out
+
+    def jac(x, *_):
+        out = np.array(jac_fn(x, leaves))
+        if not np.isfinite(out).all():
+            where = f"iteration {len(tracker.history) + 1}"
+            raise NonFinite(
+                nonfinite_message(
+                    "The Jacobian is non-finite",
+                    where,
+                    x,
+                    np.where(np.isfinite(out), 0.0, np.nan).sum(0),
+                    re,
+                    "Jacobian",
+                )
+            )
+        # SciPy asks for the Jacobian once per iteration, at the accepted point.
+        cost = tracker.cost_at(x)
+        tracker.iteration(x, _cost(fun(x)) if cost is None else cost)
+        return out
+
+    def call():
+        with limit, np.errstate(over="ignore"):  # SciPy's own cost may overflow too
+            if engine.minpack is not None:
+                return _minpack(fun, jac, start, engine.minpack)
+            return scipy.optimize.least_squares(
+                fun,
+                start,
+                jac=jac,  # pyright: ignore[reportArgumentType]
+                method=engine.name,
+                bounds=lb_ub if lb_ub is not None else (-np.inf, np.inf),
+                **dict(engine.scipy),
+            )
+
+    res, status, message, x, value = run(call, tracker, start)
+    if res is not None:
+        status, value = _status(res), res.cost
+        if status == "max_steps":
+            message += more_evaluations(engine.max_nfev)
+    return Run(res, status, message, x, value, rejected[0])
+
+
+def _status(res) -> Status:
+    if res.status > 0:
+        return "converged"
+    return "max_steps" if res.status == 0 else "failed"
+
+
+def _minpack(fun, jac, x0, options: Minpack):
+    """Levenberg–Marquardt by MINPACK, returned as `least_squares` returns it."""
+    # `leastsq` first calls both at `x0` to check their shapes, and MINPACK calls them
+    # there again: served once, as `least_squares` serves them (nothing is counted or
+    # recorded twice). MINPACK copies what they return.
+    fun, jac = _last_one(fun), _last_one(jac)
+    out: tuple = scipy.optimize.leastsq(  # pyright: ignore[reportAssignmentType]
+        fun,
+        x0,
+        Dfun=jac,
+        full_output=True,
+        ftol=options.ftol,
+        xtol=options.xtol,
+        gtol=options.gtol,
+        maxfev=options.max_nfev,
+        diag=options.diag,  # pyright: ignore[reportArgumentType]
+    )
+    x, info, code = out[0], out[2], out[4]  # with `full_output`, five things
+    message = describe(code)[1]  # what to do at `max_nfev`: in the fit's message
+    f, J = info["fvec"], jac(x)  # `least_squares` too asks for the final Jacobian
+    grad = J.T @ f
+    return optimize_result(
+        x=x,
+        cost=_cost(f),
+        f=f,
+        jac=J,
+        grad=grad,
+        optimality=np.max(np.abs(grad), initial=0.0),
+        nfev=info["nfev"],
+        njev=info["njev"],
+        info=code,
+        message=message,
+    )
+
+
+def _last_one(f: Callable[[np.ndarray], np.ndarray]) -> Callable:
+    """`f`, called again only when `x` differs from the last call's."""
+    last: list = [None, None]
+
+    def f_once(x, *_):
+        if last[0] is None or not np.array_equal(x, last[0]):
+            last[:] = [np.array(x), f(x)]
+        return last[1]
+
+    return f_once
+
+
+def _cost(residuals: np.ndarray) -> float:
+    return 0.5 * float(residuals @ residuals)  # overflow: `call` ignores it
