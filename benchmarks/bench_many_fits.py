@@ -368,7 +368,7 @@ def runtime(names: list[str], repeats: int) -> None:
         for cap in (default_cap, 20):
             n_history = min(max_nfev, cap) + 1
             build = dls._build(
-                f"device:{n_history}",
+                dls.DeviceFit(n_history),
                 p.residuals,
                 first.re,
                 lambda leaves: leaves,

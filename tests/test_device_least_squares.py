@@ -315,7 +315,7 @@ def test_the_program_computes_in_float64_only():
     leaves, rebuild = sciflat._fitting.problem.split_args((MISRA.x, MISRA.y))
     opts, _ = dls.options({}, 2, "test")
     for mode in ("forward", "reverse"):
-        fn = dls._build("device:5", MISRA.residuals, re, rebuild, mode)
+        fn = dls._build(dls.DeviceFit(5), MISRA.residuals, re, rebuild, mode)
         start = dls.packed_start(np.array(MISRA.starts[0]), opts)
         jaxpr = jax.make_jaxpr(fn)(start, leaves)
         assert float_dtypes_in_jaxpr(jaxpr) == {"float64"}

@@ -1,6 +1,7 @@
 """`least_squares(method="device")`: the whole Levenberg–Marquardt fit as one
 compiled program (`_lm.py`), on the problem layer the SciPy fits share."""
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -85,11 +86,18 @@ def with_jacobian(r: Callable, mode: str) -> Callable:
     return both_reverse
 
 
-def _build(kind, residuals, re, rebuild, mode: str) -> Callable:
+@dataclasses.dataclass(frozen=True)
+class DeviceFit:
+    """What the compiled single fit is built for (static: `jit` keys on it)."""
+
+    history: int  # the length of the cost history: the start's, then each step's
+
+
+def _build(kind: DeviceFit, residuals, re, rebuild, mode: str) -> Callable:
     """The compiled single fit: `(start, leaves) -> outputs` (`start` from
     `packed_start`; `outputs`, with the residuals, the history and the pieces of the
     fitted model)."""
-    history = int(kind.removeprefix("device:"))
+    history = kind.history
     r = residual_fn(residuals, re, rebuild)
 
     def fit(start, leaves):
@@ -219,7 +227,7 @@ def least_squares_on_device(inputs: Inputs, options: Minpack, mode: Mode) -> Fit
     re = inputs.re
     programs = Programs(_build, inputs.fn, re, inputs.args, to_device=False)
     n_history = min(options.max_nfev, _HISTORY_MAX) + 1
-    kind = f"device:{n_history}"
+    kind = DeviceFit(history=n_history)
     # Forward mode first: the fit needs m >= n, where it is the cheaper one.
     start = packed_start(inputs.start, lm_options(options, len(re)))
     fn, used = programs.first_working(kind, choose_modes(mode, True), start)

@@ -59,9 +59,9 @@ class Programs:
         self.leaves, rebuild = split_args(args, to_device)
         self._parts = (build, loss, re, rebuild)
         self._key = (build, identity_key(loss), structure_key(re), rebuild)
-        self.out_info: dict[str, Any] = {}  # of each kind got, as traced
+        self.out_info: dict[Hashable, Any] = {}  # of each kind got, as traced
 
-    def get(self, kind: str, mode: str, *example, where: Hashable = None) -> Any:
+    def get(self, kind: Hashable, mode: str, *example, where: Hashable = None) -> Any:
         """The jitted `kind` function, traced at `example` (its arguments but the
         data), so that an error in the trace is raised here. A signature traced
         before (`where`: shapes, dtypes, placement) is not traced again: only its
@@ -82,7 +82,9 @@ class Programs:
         self.out_info[kind] = info
         return entry.fn
 
-    def first_working(self, kind: str, modes: list[str], *example) -> tuple[Any, str]:
+    def first_working(
+        self, kind: Hashable, modes: list[str], *example
+    ) -> tuple[Any, str]:
         """Trace with the preferred mode; on a trace-time error (e.g. forward mode
         through `RecursiveCheckpointAdjoint`, reverse mode through `ForwardMode`) fall
         back to the other one. A mode that failed is remembered (not traced again)
