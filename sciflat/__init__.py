@@ -39,6 +39,12 @@ if typing.TYPE_CHECKING:
         ReactionODE as ReactionODE,
         petab_problem as petab_problem,
     )
+    from ._profile import (
+        Profile as Profile,
+        ProfileInterval as ProfileInterval,
+        ProfileResult as ProfileResult,
+        profile as profile,
+    )
     from ._scipy.least_squares import least_squares as least_squares
     from ._scipy.minimize import minimize as minimize
     from ._solver.quasi_newton import (
@@ -58,6 +64,10 @@ _LAZY = {
     "petab_problem": "._petab.problem",
     "PetabProblem": "._petab.problem",
     "ReactionODE": "._petab.problem",
+    "profile": "._profile",
+    "Profile": "._profile",
+    "ProfileInterval": "._profile",
+    "ProfileResult": "._profile",
     "quasi_newton": "._solver.quasi_newton",
     "QuasiNewtonState": "._solver.quasi_newton",
 }

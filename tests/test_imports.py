@@ -56,7 +56,7 @@ FLOORS = (
     ("front",),
 )
 FLOOR = {wing: level for level, wings in enumerate(FLOORS) for wing in wings}
-FRONT = {"__init__", "_multistart"}
+FRONT = {"__init__", "_multistart", "_profile"}
 
 
 WINGS = {path.name for path in pathlib.Path(sciflat.__file__).parent.glob("_*/")}

@@ -128,7 +128,7 @@ class FitResult(Generic[_M]):
         divided by their known standard deviations σ, as SciPy's
         `curve_fit(..., sigma=σ, absolute_sigma=True)` and lmfit's
         `scale_covar=False`. Its `stderr`, `covariance`, `correlation`, report,
-        [`sciflat.band`][] (normal quantiles) and `sciflat.profile` (χ²₁
+        [`sciflat.band`][] (normal quantiles) and [`sciflat.profile`][] (χ²₁
         thresholds) follow; the fit itself is unchanged.
 
         !!! Example

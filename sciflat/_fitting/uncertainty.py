@@ -46,7 +46,7 @@ class Uncertainty:
         fit, or `hessian_uncertainty` of a sum of squares), or None where it is not
         scaled (a negative log-likelihood, or known errors).
     - `dof`: the degrees of freedom m - n of `residual_variance` (None with it): the
-        Student t of [`sciflat.band`][] and the F of `sciflat.profile`.
+        Student t of [`sciflat.band`][] and the F of [`sciflat.profile`][].
 
     `with_known_errors()` gives the unscaled covariance, for residuals that are
     already in units of their known standard deviations.
