@@ -29,14 +29,20 @@ def stacked_starts(
                 f"vector per start in the order of `p` (see `re.paths`), got "
                 f"{np.shape(starts)}."
             )
-        # Each row as a vector given to a fit: real floating, held exactly by JAX.
-        what = f"`{who}` (`starts`)"
-        rows = [checked_flat_vector(row, n, what) for row in starts]
-    else:
-        rows = [_flattened(s, i, re, filter_spec, who) for i, s in enumerate(starts)]
+        if len(starts) == 0:
+            raise _empty(who)
+        # The rows' dtype as a vector given to a fit's: real floating, held exactly
+        # by JAX. One row is checked: one transfer, not K (a batch has thousands).
+        checked_flat_vector(starts[0], n, f"`{who}` (`starts`)")
+        return np.asarray(starts, np.float64)
+    rows = [_flattened(s, i, re, filter_spec, who) for i, s in enumerate(starts)]
     if not rows:
-        raise ValueError(f"`{who}`: `starts` is empty; give at least one start.")
-    return np.stack([np.asarray(row, np.float64) for row in rows])
+        raise _empty(who)
+    return np.stack(rows)
+
+
+def _empty(who: str) -> ValueError:
+    return ValueError(f"`{who}`: `starts` is empty; give at least one start.")
 
 
 def _flattened(start, i: int, re: Restructure, filter_spec, who: str) -> np.ndarray:
