@@ -319,23 +319,37 @@ def test_small_nll_and_its_forward_derivative_are_float64_throughout(small):
         assert not report.findings, str(report)
 
 
-@pytest.mark.slow  # compiles the forward-mode gradient through the solves: seconds
-def test_small_gradient_matches_finite_differences(small):
+@pytest.mark.slow  # compiles the gradients through the solves: seconds
+def test_small_gradient_matches_finite_differences_in_both_modes(small):
+    # Reverse mode through the solves (Diffrax's forward mode is a while loop JAX
+    # cannot transpose) is the transpose of their forward sensitivities.
     p, re = sciflat.destructure(small.nominal, dtype=jnp.float64)
     f = lambda x: small.nll(re(x))
     grad = jax.jacfwd(f)(p)
     h = 1e-6
     fd = [(f(p.at[i].add(h)) - f(p.at[i].add(-h))) / (2 * h) for i in range(len(p))]
     np.testing.assert_allclose(grad, fd, rtol=1e-5, atol=1e-6)
+    value, reverse = jax.value_and_grad(f)(p)
+    np.testing.assert_allclose(reverse, grad, rtol=1e-12)
+    np.testing.assert_allclose(value, f(p), rtol=1e-14)
+
+
+NORMAL_MEASUREMENTS = [m for m in SMALL_MEASUREMENTS if m[0] != "obsC"]
+
+
+@pytest.fixture(scope="module")
+def normal(tmp_path_factory):
+    """The small problem without the Laplace observable: it has residuals."""
+    folder = tmp_path_factory.mktemp("petab") / "normal"
+    return sciflat.petab_problem(
+        small_problem(folder, NORMAL_MEASUREMENTS), rtol=1e-10, atol=1e-12
+    )
 
 
 @pytest.mark.slow  # reads SBML with SymPy and compiles Diffrax solves: seconds
-def test_normal_residuals_square_to_the_nll(tmp_path, caplog):
+def test_normal_residuals_square_to_the_nll(normal, caplog):
     # Without the Laplace observable: nll == 0.5 * sum(r**2) + residual_offset.
-    rows = [m for m in SMALL_MEASUREMENTS if m[0] != "obsC"]
-    problem = sciflat.petab_problem(
-        small_problem(tmp_path, rows), rtol=1e-10, atol=1e-12
-    )
+    problem, rows = normal, NORMAL_MEASUREMENTS
     # Weakly typed values (Python floats, `jnp.asarray(-0.7)`) compute as the
     # nominal float64 ones do: the same compiled `nll` and `residuals`.
     other = {"k": jnp.asarray(-0.7), "scale": 1.2, "sd": jnp.asarray(0.3)}
@@ -353,6 +367,17 @@ def test_normal_residuals_square_to_the_nll(tmp_path, caplog):
     compiled = [r.getMessage().split(" with ")[0] for r in caplog.records]
     assert compiled.count("Compiling jit(_nll)") == 1, compiled
     assert compiled.count("Compiling jit(_residuals)") == 1, compiled
+
+
+@pytest.mark.slow  # compiles the Jacobian through the solves twice: seconds
+def test_normal_residuals_jacobian_is_the_same_in_reverse_mode(normal):
+    p, re = sciflat.destructure(normal.nominal, dtype=jnp.float64)
+    r = lambda x: normal.residuals(re(x))
+    forward = jax.jacfwd(r)(p)
+    np.testing.assert_allclose(jax.jacrev(r)(p), forward, rtol=1e-12, atol=1e-14)
+    h = 1e-6
+    fd = [(r(p.at[i].add(h)) - r(p.at[i].add(-h))) / (2 * h) for i in range(len(p))]
+    np.testing.assert_allclose(forward, np.stack(fd, axis=1), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow  # reads SBML with SymPy and compiles Diffrax solves: seconds

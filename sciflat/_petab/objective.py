@@ -9,6 +9,7 @@ else is a gather from `ext`.
 
 import functools as ft
 import math
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -56,6 +57,30 @@ def _rows(fn: Any, ts: Array, xs: Array, constants: Array, q: Array, params: Arr
     return jax.vmap(one)(ts, xs, params)
 
 
+def forward_sensitivities(solve: Callable) -> Callable:
+    """`solve(x) -> (ys, ok)` whose derivative is its forward sensitivities: any
+    JVP computes the whole Jacobian dys/dx (one tangent per parameter, through the
+    solves' `diffrax.ForwardMode`) and applies it. So reverse mode works too, as the
+    transpose of that product (Diffrax's forward mode alone is a `while_loop` that
+    JAX cannot transpose), and costs what forward mode costs: for `jax.grad` of a
+    scalar, as much as `jax.jacfwd`; for one `jax.jvp`, `len(x)` tangents, not one."""
+    fn = jax.custom_jvp(solve)
+
+    @fn.defjvp
+    def jvp(primals, tangents):
+        (x,), (dx,) = primals, tangents
+
+        def ys_and_all(x):
+            ys, ok = solve(x)
+            return ys, (ys, ok)
+
+        jac, (ys, ok) = jax.jacfwd(ys_and_all, has_aux=True)(x)
+        dys = jnp.tensordot(jac, dx, axes=1)
+        return (ys, ok), (dys, np.zeros(jnp.shape(ok), jax.dtypes.float0))
+
+    return fn
+
+
 class Objective:
     """The simulation and the noise model of one problem (tables, formulas, solver)."""
 
@@ -72,6 +97,9 @@ class Objective:
         self.tables, self.formulas = tables, formulas
         self._diffrax, self._solver = diffrax, solver
         self._rtol, self._atol, self._max_steps = rtol, atol, max_steps
+        self.solve_with_sensitivities = forward_sensitivities(
+            lambda linear: self.solve_all(self.ext_of(linear))
+        )
 
     # -- from the model to `ext` --------------------------------------------------
 
@@ -84,14 +112,21 @@ class Objective:
                 f"{list(ids)}; got {got}. Start from `problem.nominal`."
             )
 
-    def ext(self, model: dict[str, Any]) -> Array:
-        """Every table parameter on the linear scale, then the tables' numbers."""
+    def linear(self, model: dict[str, Any]) -> Array:
+        """The estimated parameters on the linear scale, as one vector."""
         self.check_model(model)
         par = self.tables.parameters
         values = [unscale(jnp.asarray(model[k]), par.scales[k]) for k in par.ids]
-        dtype = jnp.result_type(*values)
-        q = jnp.asarray(par.nominal_lin, dtype).at[par.estimated].set(jnp.stack(values))
+        return jnp.stack(values).astype(jnp.result_type(*values))
+
+    def ext_of(self, linear: Array) -> Array:
+        """Every table parameter on the linear scale, then the tables' numbers."""
+        par, dtype = self.tables.parameters, linear.dtype
+        q = jnp.asarray(par.nominal_lin, dtype).at[par.estimated].set(linear)
         return jnp.concatenate([q, jnp.asarray(self.tables.numbers, dtype)])
+
+    def ext(self, model: dict[str, Any]) -> Array:
+        return self.ext_of(self.linear(model))
 
     def condition(self, condition: str | None) -> int:
         conditions = self.tables.conditions
@@ -168,8 +203,9 @@ class Objective:
         """Per measurement (table order): the simulation, σ, the transformed
         residual, and the noise model's constants; and whether every solve succeeded."""
         tables, formulas = self.tables, self.formulas
-        ext = self.ext(model)
-        all_ys, ok = self.solve_all(ext)
+        linear = self.linear(model)
+        ext = self.ext_of(linear)
+        all_ys, ok = self.solve_with_sensitivities(linear)
         parts: dict[str, list[Array]] = {"h": [], "sigma": []}
         for g in tables.groups:
             ys = all_ys[g.condition]
