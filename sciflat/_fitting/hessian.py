@@ -14,6 +14,7 @@ import numpy as np
 from .._dtypes import X64_FIX, x64_enabled
 from .._transforms import unwrap
 from .delta import for_values
+from .programs import Programs
 from .result import FitResult
 from .uncertainty import from_hessian
 
@@ -33,8 +34,9 @@ def hessian_uncertainty(
     from the Hessian.
 
     The Hessian H of `loss(model, *args)` with respect to `p`, at `result.p`, by JAX
-    (forward over reverse mode), inverted as in [`sciflat.Uncertainty`][]. What the
-    covariance means depends on what the loss is, so say it with `scale`:
+    (forward over reverse mode; compiled once per loss, `Restructure` and data
+    structure), inverted as in [`sciflat.Uncertainty`][]. What the covariance means
+    depends on what the loss is, so say it with `scale`:
 
     - `"nll"`: a negative log-likelihood: cov = H⁻¹.
     - `"chi2"`: χ² = Σ(r/σ)², residuals divided by their known standard deviations
@@ -83,11 +85,14 @@ def hessian_uncertainty(
         )
     re = result.re
     x = jnp.asarray(result.p, jnp.float64)
-
-    f = lambda x: loss(unwrap(re(x)), *args)
+    # Kept in the compile cache: a second call with the same loss, `re` and data
+    # structure reuses the program (a Hessian through ODE solves compiles for
+    # seconds).
+    programs = Programs(_build, loss, re, args)
+    both = programs.get("value_and_hessian", "forward over reverse", x)
     # The scale reads the value of *this* loss, not `result.loss`: that of a
     # `least_squares` result is SciPy's cost, ½Σr², not Σr² (a factor √2 in stderr).
-    value, hess = jax.jit(lambda x: (f(x), jax.hessian(f)(x)))(x)
+    value, hess = both(x, programs.leaves)
     value = float(value)
     unc = from_hessian(np.asarray(hess), value, re, scale, n_data)
     unc = for_values(unc, re, x, result.model)
@@ -98,3 +103,8 @@ def hessian_uncertainty(
     assert n_data is not None  # from_hessian checked
     chisqr = value if scale == "sse" else value * n_data
     return dataclasses.replace(result, uncertainty=unc, chisqr=chisqr, n_data=n_data)
+
+
+def _build(kind: str, loss, re, rebuild, mode: str) -> Callable:
+    f = lambda x, leaves: loss(unwrap(re(x)), *rebuild(leaves))
+    return lambda x, leaves: (f(x, leaves), jax.hessian(f)(x, leaves))

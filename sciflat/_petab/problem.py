@@ -7,7 +7,6 @@ symbolic), `formulas.py` (SymPy to JAX) and `objective.py` (the solves and the n
 model); `petab_problem` puts them together.
 """
 
-import dataclasses
 import functools as ft
 import os
 from typing import Any, Literal
@@ -17,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Scalar
 
+from .._fitting.hessian import hessian_uncertainty
 from .formulas import compile_formulas
 from .objective import Objective, ReactionODE as ReactionODE, unscale
 from .sbml import SbmlOde, read_sbml
@@ -110,7 +110,6 @@ class PetabProblem:
         # jit by identity: one compilation per problem, shared by every fit.
         self.nll = _strongly_typed(jax.jit(self._nll))
         self.residuals = _strongly_typed(jax.jit(self._residuals))
-        self._value_and_hessian = jax.jit(self._nll_and_hessian)
 
     def _nll(self, model: dict[str, Any]) -> Scalar:
         return self._objective.nll(model)
@@ -244,16 +243,10 @@ class PetabProblem:
             for row in x
         ]
 
-    def _nll_and_hessian(self, x: Array, re: Any) -> tuple[Array, Array]:
-        """The value and the Hessian in one compiled program; `re` is an argument (a
-        pytree), so every fit of the problem, which has an equal one, shares it."""
-        f = lambda x: self._objective.nll(re(x))
-        return f(x), jax.jacfwd(jax.jacfwd(f))(x)
-
     def uncertainty(self, result: Any) -> Any:
         """`result` (of a fit of this problem) with its covariance from the Hessian of
-        the negative log-likelihood, cov = H⁻¹ on the parameters' scales; the Hessian
-        by forward over forward mode (the solves' derivatives are forward-mode).
+        the negative log-likelihood, cov = H⁻¹ on the parameters' scales:
+        [`sciflat.hessian_uncertainty`][]`(result, problem.nll)`.
 
         **Arguments:**
 
@@ -264,15 +257,9 @@ class PetabProblem:
 
         A copy with `uncertainty` set: `stderr`, `correlation`, `print(result)`.
         """
-        from .._fitting.uncertainty import from_hessian
-
-        re = result.re
-        if re is None:
+        if getattr(result, "re", None) is None:
             raise ValueError("`result` has no `re`: pass what a sciflat fit returned.")
-        x = jnp.asarray(result.p, jnp.float64)
-        value, hess = self._value_and_hessian(x, re)
-        unc = from_hessian(np.asarray(hess), float(value), re, "nll", None)
-        return dataclasses.replace(result, uncertainty=unc)
+        return hessian_uncertainty(result, self.nll, scale="nll")
 
 
 def petab_problem(
