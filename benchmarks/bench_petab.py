@@ -12,7 +12,6 @@ starts drawn in the bounds (where the model is less stiff or more).
 """
 
 import argparse
-import pathlib
 import statistics
 import time
 
@@ -24,10 +23,7 @@ import sciflat
 
 jax.config.update("jax_enable_x64", True)
 
-YAML = (
-    pathlib.Path(__file__).resolve().parent.parent
-    / "tests/data/petab/Boehm_JProteomeRes2014/Boehm_JProteomeRes2014.yaml"
-)
+YAML = sciflat.petab_benchmark("Boehm_JProteomeRes2014")
 AMICI_MS = {"simulation (nll)": 5.0, "forward sensitivities (Jacobian)": 50.0}
 
 

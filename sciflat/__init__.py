@@ -13,6 +13,7 @@ from ._fitting.result import FitResult as FitResult
 from ._fitting.uncertainty import Uncertainty as Uncertainty
 from ._flatten import Restructure as Restructure, destructure as destructure
 from ._io import load as load, save as save
+from ._petab.benchmarks import petab_benchmark as petab_benchmark
 from ._transforms import (
     Interval as Interval,
     Log as Log,

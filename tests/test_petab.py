@@ -2,7 +2,6 @@
 closed form, and the Boehm et al. 2014 benchmark against AMICI's log-likelihood."""
 
 import math
-import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -14,13 +13,7 @@ import sciflat
 
 libsbml = pytest.importorskip("libsbml")  # the `petab` extra (in `test`): always there
 
-BOEHM = (
-    pathlib.Path(__file__).parent
-    / "data"
-    / "petab"
-    / "Boehm_JProteomeRes2014"
-    / "Boehm_JProteomeRes2014.yaml"
-)
+BOEHM = sciflat.petab_benchmark("Boehm_JProteomeRes2014")  # ships with sciflat
 # AMICI with SUNDIALS (AMICI's tests/benchmark_models/benchmark_models.yaml).
 BOEHM_LLH = -138.22199693517703
 

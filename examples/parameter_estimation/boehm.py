@@ -33,16 +33,7 @@ import sciflat
 jax.config.update("jax_enable_x64", True)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-YAML = os.path.join(
-    HERE,
-    "..",
-    "..",
-    "tests",
-    "data",
-    "petab",
-    "Boehm_JProteomeRes2014",
-    "Boehm_JProteomeRes2014.yaml",
-)
+YAML = str(sciflat.petab_benchmark("Boehm_JProteomeRes2014"))  # ships with sciflat
 OUT = os.path.join(HERE, "outputs")
 AMICI_LLH = -138.22199693517703  # AMICI/SUNDIALS at the published parameters
 TARGET = -138.2220  # "reached the published optimum": llh >= this
