@@ -496,3 +496,29 @@ def test_public_names_are_lazy_and_a_missing_extra_names_it(tmp_path, monkeypatc
     monkeypatch.setitem(__import__("sys").modules, "libsbml", None)
     with pytest.raises(ImportError, match=r'pip install "sciflat\[petab\]"'):
         _petab_sbml.read_sbml(str(path.parent / "model.xml"))
+
+
+def test_the_petab_linters_findings_are_clear_errors(tmp_path):
+    # A lower bound above the upper one: sciflat's own checks pass it; the `petab`
+    # library's linter names it.
+    table = [
+        ("k", "log10", 1e3, 1e-3, K, 1),
+        ("scale", "lin", 0.1, 10, SCALE, 1),
+        ("sd", "log", 1e-3, 10, SD, 1),
+        ("sdB", "lin", 0, 1, SD_B, 0),
+    ]
+    with pytest.raises(
+        ValueError,
+        match=r"not a valid PEtab problem; the PEtab linter .*says:\n"
+        r"- lowerBound greater than upperBound for parameterId k\.",
+    ):
+        sciflat.petab_problem(small_problem(tmp_path, parameters_table=table))
+
+
+def test_a_table_without_a_required_column_is_a_clear_error(tmp_path):
+    path = small_problem(tmp_path)
+    table = path.parent / "measurements.tsv"
+    lines = table.read_text().replace("\ttime\t", "\tt\t", 1)
+    table.write_text(lines)
+    with pytest.raises(ValueError, match=r"measurement table has no column \['time'\]"):
+        sciflat.petab_problem(path)

@@ -20,20 +20,22 @@ from .._fitting.hessian import hessian_uncertainty
 from .formulas import compile_formulas
 from .objective import Objective, ReactionODE as ReactionODE, unscale
 from .sbml import SbmlOde, read_sbml
-from .tables import Scale, _to_scale, read_files, read_tables
+from .tables import Scale, _to_scale, lint, read_files, read_tables
 
 
-def _imports() -> tuple[Any, Any, Any]:
+def _imports() -> tuple[Any, Any, Any, Any]:
     try:
         import diffrax
+        import petab.v1
+        import petab.v1.lint
         import sympy
         import yaml
     except ImportError as e:
         raise ImportError(
             f'`sciflat.petab_problem` needs {e.name}: pip install "sciflat[petab]" '
-            "(python-libsbml, sympy, pyyaml, diffrax)."
+            "(petab, python-libsbml, sympy, pyyaml, diffrax)."
         ) from None
-    return diffrax, sympy, yaml
+    return diffrax, sympy, yaml, petab
 
 
 class PetabProblem:
@@ -306,11 +308,12 @@ def petab_problem(
     A [`sciflat.PetabProblem`][]: `nominal`, `bounds`, `nll`, `llh`, `residuals`,
     `simulate`, `sample_starts`, `uncertainty`.
     """
-    diffrax, sympy, yaml = _imports()
-    files = read_files(yaml_path, yaml)
+    diffrax, sympy, yaml, petab = _imports()
+    files = read_files(yaml_path, yaml, petab)
     ode = read_sbml(files.sbml)
     tables = read_tables(files, ode)
     formulas = compile_formulas(sympy, ode, tables)
+    lint(files, petab, yaml_path)
     rtol, atol = float(rtol), float(atol)
     if solver is None:
         # Newton's method, not Diffrax's default chord method: with the fast modes of

@@ -1,6 +1,8 @@
 """The PEtab tables (format version 1), read and checked, as one frozen record of index
 arrays.
 
+The `petab` library reads the files (and lints the whole problem at the end); these
+checks come first, so that what sciflat cannot simulate is named as such.
 Everything the tables name becomes an index into one vector
 `ext = [every table parameter (linear scale), the numbers the tables hold]`, so a
 condition's parameters, an observable's placeholders and a noise parameter are all
@@ -8,11 +10,13 @@ gathers from it. Nothing here knows SymPy or JAX: the formulas are compiled else
 (`formulas.py`), the objective gathers from these arrays (`objective.py`).
 """
 
-import csv
+import contextlib
 import dataclasses
+import logging
 import math
 import os
 import re as regex
+import warnings
 from typing import Any, Literal
 
 import numpy as np
@@ -25,12 +29,6 @@ _SCALES = ("lin", "log", "log10")
 _NOISE = ("normal", "laplace")
 Scale = Literal["lin", "log", "log10"]
 Row = dict[str, str]
-
-
-def _read_tsv(path: str) -> list[Row]:
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f, delimiter="\t"))
-    return [{k.strip(): (v or "").strip() for k, v in row.items()} for row in rows]
 
 
 def _to_scale(x: float, scale: str) -> float:
@@ -56,16 +54,60 @@ def _float(text: str) -> float | None:
 
 @dataclasses.dataclass(frozen=True)
 class Files:
-    """The rows of every table of one problem, and where its SBML model is."""
+    """The rows of every table of one problem (each cell as text, "" where empty),
+    where its SBML model is, and the `petab` library's reading of it (to lint)."""
 
     sbml: str
     parameters: list[Row]
     conditions: list[Row]
     observables: list[Row]
     measurements: list[Row]
+    petab_problem: Any
 
 
-def read_files(yaml_path: str | os.PathLike[str], yaml: Any) -> Files:
+def _text(value: Any, isna: Any) -> str:
+    """A cell of a table `petab` read (pandas), as the text our checks read."""
+    if isinstance(value, bool | np.bool_):
+        return "1" if value else "0"
+    if isna(value):
+        return ""
+    if isinstance(value, float | np.floating):
+        return repr(float(value))
+    return str(value).strip()
+
+
+def _rows(frame: Any) -> list[Row]:
+    if frame is None:
+        return []
+    import pandas
+
+    if frame.index.name is not None:
+        frame = frame.reset_index()
+    return [
+        {str(k).strip(): _text(v, pandas.isna) for k, v in record.items()}
+        for record in frame.to_dict("records")
+    ]
+
+
+@contextlib.contextmanager
+def _quiet_petab():
+    """`petab` 0.8 with pandas 3 warns of pandas' deprecations at every read, and
+    logs its linter's findings: neither is the user's to act on (the findings are
+    raised as a `ValueError`, by `lint`)."""
+    logger = logging.getLogger("petab")
+    propagate = logger.propagate
+    logger.propagate = False
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            warnings.simplefilter("ignore", FutureWarning)
+            yield
+    finally:
+        logger.propagate = propagate
+
+
+def read_files(yaml_path: str | os.PathLike[str], yaml: Any, petab: Any) -> Files:
+    """The problem's YAML file and tables, read by the `petab` library."""
     path = os.fspath(yaml_path)
     folder = os.path.dirname(os.path.abspath(path))
     with open(path) as f:
@@ -85,22 +127,73 @@ def read_files(yaml_path: str | os.PathLike[str], yaml: Any) -> Files:
     sbml = files.get("sbml_files") or []
     if len(sbml) != 1:
         raise ValueError(f"{path}: `sbml_files` must list one model, got {sbml}.")
-    where = lambda name: os.path.join(folder, name)
-    tables = lambda key, names=None: [
-        row
-        for name in (names or files.get(key) or [])
-        for row in _read_tsv(where(name))
-    ]
-    parameter_files = spec.get("parameter_file")
-    if isinstance(parameter_files, str):
-        parameter_files = [parameter_files]
+    try:
+        with _quiet_petab():
+            problem = petab.v1.Problem.from_yaml(path)
+    except Exception as e:
+        raise ValueError(
+            f"{path}: the `petab` library cannot read this problem: {e}"
+        ) from None
     return Files(
-        sbml=where(sbml[0]),
-        parameters=tables("", parameter_files),
-        conditions=tables("condition_files"),
-        observables=tables("observable_files"),
-        measurements=tables("measurement_files"),
+        sbml=os.path.join(folder, sbml[0]),
+        parameters=_rows(problem.parameter_df),
+        conditions=_rows(problem.condition_df),
+        observables=_rows(problem.observable_df),
+        measurements=_rows(problem.measurement_df),
+        petab_problem=problem,
     )
+
+
+class _Keep(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def lint(files: Files, petab: Any, path: str | os.PathLike[str]) -> None:
+    """The `petab` library's linter over the whole problem; its findings (errors, not
+    warnings) as one `ValueError`."""
+    keep = _Keep()
+    logger = logging.getLogger("petab")
+    logger.addHandler(keep)
+    try:
+        with _quiet_petab():
+            failed = petab.v1.lint.lint_problem(files.petab_problem)
+    finally:
+        logger.removeHandler(keep)
+    if failed:
+        found = [m for m in keep.messages if m.strip() != "Not OK"] or ["(no message)"]
+        lines = "\n".join(f"- {m.strip()}" for m in found)
+        raise ValueError(
+            f"{os.fspath(path)} is not a valid PEtab problem; the PEtab linter "
+            f"(the `petab` library) says:\n{lines}"
+        )
+
+
+_REQUIRED = {
+    "parameter": (
+        "parameterId",
+        "parameterScale",
+        "lowerBound",
+        "upperBound",
+        "nominalValue",
+        "estimate",
+    ),
+    "condition": ("conditionId",),
+    "observable": ("observableId", "observableFormula", "noiseFormula"),
+    "measurement": ("observableId", "simulationConditionId", "measurement", "time"),
+}
+
+
+def _require(rows: list[Row], table: str) -> None:
+    if rows and (missing := [c for c in _REQUIRED[table] if c not in rows[0]]):
+        raise ValueError(
+            f"The {table} table has no column {missing}: PEtab requires "
+            f"{list(_REQUIRED[table])}."
+        )
 
 
 #
@@ -424,6 +517,8 @@ def _check_positive(groups, observables, observable_ids, data) -> None:
 
 def read_tables(files: Files, ode: SbmlOde) -> Tables:
     """Checks the tables against each other and the model; indexes them."""
+    for table in _REQUIRED:
+        _require(getattr(files, f"{table}s"), table)
     parameters = read_parameters(files.parameters)
     condition_rows = check_conditions(files.conditions, ode)
     observables = check_observables(files.observables)
