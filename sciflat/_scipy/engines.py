@@ -16,7 +16,7 @@ from .._solver.minpack import (
     more_evaluations,
     optimize_result,
 )
-from .host import NonFinite, nonfinite_message, run
+from .host import NonFinite, Tracker, nonfinite_message, run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,62 +62,16 @@ class Run:
 def solve(engine: Engine, start, lb_ub, res_fn, jac_fn, leaves, re, tracker, limit):
     """One run of `engine` from `start` (`res_fn`, `jac_fn`: the compiled residuals
     and Jacobian, at `(x, leaves)`): a `Run`."""
-    rejected = [0]
-
-    def fun(x):
-        out = np.array(res_fn(x, leaves))
-        # Finite residuals whose sum of squares overflows are not an error: SciPy's
-        # cost is then inf and it shrinks the step (NIST BoxBOD from Start 1). Nor
-        # are non-finite residuals at a trial point: both `trf` (it checks) and
-        # MINPACK (NaN or inf fails its reduction test) reject the step and shrink
-        # it, as in SciPy. Only at the start is there no step to reject.
-        cost = _cost(out)
-        start = tracker.n_calls == 0
-        if start and not math.isfinite(cost) and not np.isfinite(out).all():
-            jac = np.asarray(jac_fn(x, leaves))
-            where = f"call {tracker.n_calls + 1} (iteration {len(tracker.history)})"
-            raise NonFinite(
-                nonfinite_message(
-                    f"The residuals are non-finite ({int((~np.isfinite(out)).sum())} entries)",
-                    where,
-                    x,
-                    np.where(np.isfinite(jac), 0.0, np.nan).sum(0),
-                    re,
-                    "Jacobian",
-                )
-            )
-        if not math.isfinite(cost) and not np.isfinite(out).all():
-            rejected[0] += 1
-        tracker.seen(x, cost)
-        return out
-
-    def jac(x, *_):
-        out = np.array(jac_fn(x, leaves))
-        if not np.isfinite(out).all():
-            where = f"iteration {len(tracker.history) + 1}"
-            raise NonFinite(
-                nonfinite_message(
-                    "The Jacobian is non-finite",
-                    where,
-                    x,
-                    np.where(np.isfinite(out), 0.0, np.nan).sum(0),
-                    re,
-                    "Jacobian",
-                )
-            )
-        # SciPy asks for the Jacobian once per iteration, at the accepted point.
-        cost = tracker.cost_at(x)
-        tracker.iteration(x, _cost(fun(x)) if cost is None else cost)
-        return out
+    calls = _Calls(res_fn, jac_fn, leaves, re, tracker)
 
     def call():
         with limit, np.errstate(over="ignore"):  # SciPy's own cost may overflow too
             if engine.minpack is not None:
-                return _minpack(fun, jac, start, engine.minpack)
+                return _minpack(calls.fun, calls.jac, start, engine.minpack)
             return scipy.optimize.least_squares(
-                fun,
+                calls.fun,
                 start,
-                jac=jac,  # pyright: ignore[reportArgumentType]
+                jac=calls.jac,  # pyright: ignore[reportArgumentType]
                 method=engine.name,
                 bounds=lb_ub if lb_ub is not None else (-np.inf, np.inf),
                 **dict(engine.scipy),
@@ -128,7 +82,53 @@ def solve(engine: Engine, start, lb_ub, res_fn, jac_fn, leaves, re, tracker, lim
         status, value = _status(res), res.cost
         if status == "max_steps":
             message += more_evaluations(engine.max_nfev)
-    return Run(res, status, message, x, value, rejected[0])
+    return Run(res, status, message, x, value, calls.rejected)
+
+
+class _Calls:
+    """What SciPy (or MINPACK) calls: the residuals and the Jacobian at `x`, each one
+    compiled call, seen by `tracker`. A non-finite start or Jacobian stops the run
+    (`NonFinite`, naming the parameters)."""
+
+    def __init__(self, res_fn, jac_fn, leaves, re, tracker: Tracker):
+        self.res_fn, self.jac_fn, self.leaves = res_fn, jac_fn, leaves
+        self.re, self.tracker = re, tracker
+        self.rejected = 0  # trial points with non-finite residuals
+
+    def fun(self, x):
+        tracker = self.tracker
+        out = np.array(self.res_fn(x, self.leaves))
+        # Finite residuals whose sum of squares overflows are not an error: SciPy's
+        # cost is then inf and it shrinks the step (NIST BoxBOD from Start 1). Nor
+        # are non-finite residuals at a trial point: both `trf` (it checks) and
+        # MINPACK (NaN or inf fails its reduction test) reject the step and shrink
+        # it, as in SciPy. Only at the start is there no step to reject.
+        cost = _cost(out)
+        nonfinite = not math.isfinite(cost) and not np.isfinite(out).all()
+        if nonfinite and tracker.n_calls == 0:
+            jac = np.asarray(self.jac_fn(x, self.leaves))
+            where = f"call {tracker.n_calls + 1} (iteration {len(tracker.history)})"
+            n_bad = int((~np.isfinite(out)).sum())
+            what = f"The residuals are non-finite ({n_bad} entries)"
+            raise NonFinite(self._message(what, where, x, jac))
+        self.rejected += nonfinite
+        tracker.seen(x, cost)
+        return out
+
+    def jac(self, x, *_):
+        out = np.array(self.jac_fn(x, self.leaves))
+        if not np.isfinite(out).all():
+            where = f"iteration {len(self.tracker.history) + 1}"
+            raise NonFinite(self._message("The Jacobian is non-finite", where, x, out))
+        # SciPy asks for the Jacobian once per iteration, at the accepted point.
+        cost = self.tracker.cost_at(x)
+        self.tracker.iteration(x, _cost(self.fun(x)) if cost is None else cost)
+        return out
+
+    def _message(self, what: str, where: str, x, jac: np.ndarray) -> str:
+        # The parameters whose Jacobian column is non-finite are named.
+        columns = np.where(np.isfinite(jac), 0.0, np.nan).sum(0)
+        return nonfinite_message(what, where, x, columns, self.re, "Jacobian")
 
 
 def _status(res) -> Status:
