@@ -14,7 +14,9 @@ below a threshold ends there: that side is open, flagged, never an exception.
 
 import dataclasses
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -321,9 +323,10 @@ class _Engine:
             return out  # nothing left to fit
         if self.batch:
             return self._batch(js, xjs, out)
-        for k, (j, xj) in enumerate(zip(js, xjs, strict=True)):
-            out[k] = self._one(int(j), float(xj), out[k])
-        return out
+        # Refits one by one, on every core: XLA runs each call without the GIL.
+        one = lambda k: self._one(int(js[k]), float(xjs[k]), out[k])
+        with ThreadPoolExecutor(min(len(js), os.cpu_count() or 1)) as pool:
+            return np.stack(list(pool.map(one, range(len(js)))))
 
     def _batch(self, js, xjs, starts) -> np.ndarray:
         from ._device.batch import least_squares_batch
@@ -388,7 +391,9 @@ class _Engine:
                 method="L-BFGS-B",
                 bounds=list(zip(lb, ub, strict=True)) if bounded else None,
                 options=dict(
-                    ftol=1e-15, gtol=self.options.get("gtol", 1e-10), maxiter=5000
+                    ftol=self.options.get("ftol", 1e-14),
+                    gtol=self.options.get("gtol", 1e-8),
+                    maxiter=self.options.get("max_nfev", 5000),
                 ),
             )
             y = sol.x
@@ -707,8 +712,9 @@ def profile(
             path.accept(h, fitted[k], float(stat), float(grads[k, path.j] / scale))
         engine.n_fits -= width - len(active)
 
+    to_values = _constrained_rows(re, result.model)
     profiles = tuple(
-        _profile_of(j, [p for p in paths if p.j == j], names, re, x_hat, levels)
+        _profile_of(j, [p for p in paths if p.j == j], names, to_values, x_hat, levels)
         for j in indices
     )
     method = "one least_squares_batch per stage" if use_batch else "SciPy, one by one"
@@ -751,42 +757,55 @@ def _first_steps(result: FitResult, x_hat: np.ndarray, re: Restructure) -> np.nd
     return np.where(np.isfinite(sd) & (sd > 0), sd, guess)
 
 
-def _profile_of(j, paths, names, re, x_hat, levels) -> Profile:
+def _constrained_rows(re: Restructure, model: Any) -> Callable:
+    """`xs (K, n) -> constrained values (K, n)` (compiled once per structure), or
+    the identity without transforms."""
+    if not has_transforms(model):
+        return lambda xs: np.asarray(xs, np.float64)
+
+    def make():
+        return jax.jit(jax.vmap(lambda x: constrained(re, x)))
+
+    f = shared(("profile:constrained", structure_key(re)), make)
+    return lambda xs: np.asarray(f(jnp.asarray(xs, jnp.float64)), np.float64)
+
+
+def _profile_of(j, paths, names, to_values, x_hat, levels) -> Profile:
     """The profile of parameter `j` from its two paths, in its constrained values."""
-    value_of = lambda x: float(constrained(re, jnp.asarray(x))[j])
     pts = [(x, s) for p in paths for x, s in zip(p.xs, p.stats, strict=True)]
     xs = np.stack([x for x, _ in pts])
     stats = np.array([s for _, s in pts])
-    values = np.asarray(jax.vmap(lambda x: constrained(re, x)[j])(jnp.asarray(xs)))
+    # The ends of every interval, each on the path's own line through the fit.
+    ends, opens = [], []
+    for t in range(len(levels)):
+        for p in paths:
+            crossed = t < len(p.crossings)
+            h = p.crossings[t] if crossed else max(p.hs)
+            x = x_hat.copy()
+            x[j] = p.x0 + p.side * h
+            ends.append(x)
+            opens.append(not crossed)
+    mapped = to_values(np.concatenate([xs, np.stack(ends), x_hat[None]]))[:, j]
+    values, end_values, value = mapped[: len(xs)], mapped[len(xs) : -1], mapped[-1]
     order = np.argsort(values, kind="stable")
     keep = np.concatenate([[True], np.diff(values[order]) != 0])
     order = order[keep]
     intervals = []
     for t, lv in enumerate(levels):
-        ends, opens = {}, {}
-        for p in paths:
-            if t < len(p.crossings):
-                h, is_open = p.crossings[t], False
-            else:
-                h, is_open = max(p.hs), True
-            x = x_hat.copy()
-            x[j] = p.x0 + p.side * h
-            ends[p.side], opens[p.side] = value_of(x), is_open
-        lo, hi = sorted((ends[-1], ends[1]))
-        lo_open, hi_open = (
-            (opens[-1], opens[1]) if ends[-1] <= ends[1] else (opens[1], opens[-1])
+        pair = sorted(
+            zip(end_values[2 * t : 2 * t + 2], opens[2 * t : 2 * t + 2], strict=True)
         )
-        threshold = paths[0].targets[t]
+        (lo, lo_open), (hi, hi_open) = pair
         intervals.append(
             ProfileInterval(
                 pretty(names[j]),
                 lv,
-                value_of(x_hat),
-                lo,
-                hi,
-                lo_open,
-                hi_open,
-                threshold,
+                float(value),
+                float(lo),
+                float(hi),
+                bool(lo_open),
+                bool(hi_open),
+                paths[0].targets[t],
             )
         )
     message = "; ".join(
@@ -795,7 +814,7 @@ def _profile_of(j, paths, names, re, x_hat, levels) -> Profile:
     return Profile(
         names[j],
         j,
-        value_of(x_hat),
+        float(value),
         values[order],
         stats[order],
         xs[order],
