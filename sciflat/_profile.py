@@ -187,7 +187,7 @@ class ProfileResult:
             for lv in levels:
                 it = prof.interval(lv)
                 cells.append(_cell(it.upper, it.upper_open))
-            lines.append(f"{pretty(prof.name):{width}s}" + "".join(cells))
+            lines.append((f"{pretty(prof.name):{width}s}" + "".join(cells)).rstrip())
         lines.append(f"({self.statistic}; * open: never crossed on that side)")
         return "\n".join(lines)
 
