@@ -2,11 +2,13 @@
 closed form, and the Boehm et al. 2014 benchmark against AMICI's log-likelihood."""
 
 import math
+import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from scipy import stats
 
 import sciflat
 
@@ -102,8 +104,10 @@ def write_problem(folder, *, table, conditions, observables, measurements, **sbm
             "upperBound",
             "nominalValue",
             "estimate",
+            "objectivePriorType",
+            "objectivePriorParameters",
         ],
-        table,
+        [(*row, "", "")[:8] for row in table],  # rows of 6, or 8 with a prior
     )
     cond_header = ["conditionId", *sorted({k for c in conditions.values() for k in c})]
     write_tsv(
@@ -328,20 +332,28 @@ def test_small_gradient_matches_finite_differences_in_both_modes(small):
 
 
 NORMAL_MEASUREMENTS = [m for m in SMALL_MEASUREMENTS if m[0] != "obsC"]
+# Normal priors, one on the linear value and one on the parameter's scale: residuals.
+NORMAL_PRIORS = [
+    ("k", "log10", 1e-3, 1e3, K, 1),
+    ("scale", "lin", 0.1, 10, SCALE, 1, "normal", "1.5;0.4"),
+    ("sd", "log", 1e-3, 10, SD, 1, "parameterScaleNormal", "-1.2;0.5"),
+    ("sdB", "lin", 0, 1, SD_B, 0),
+]
 
 
 @pytest.fixture(scope="module")
 def normal(tmp_path_factory):
-    """The small problem without the Laplace observable: it has residuals."""
+    """The small problem without the Laplace observable, with two normal priors: it
+    has residuals."""
     folder = tmp_path_factory.mktemp("petab") / "normal"
-    return sciflat.petab_problem(
-        small_problem(folder, NORMAL_MEASUREMENTS), rtol=1e-10, atol=1e-12
-    )
+    path = small_problem(folder, NORMAL_MEASUREMENTS, parameters_table=NORMAL_PRIORS)
+    return sciflat.petab_problem(path, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.slow  # reads SBML with SymPy and compiles Diffrax solves: seconds
 def test_normal_residuals_square_to_the_nll(normal, caplog):
-    # Without the Laplace observable: nll == 0.5 * sum(r**2) + residual_offset.
+    # Without the Laplace observable: nll == 0.5 * sum(r**2) + residual_offset, the
+    # two normal priors included (one residual each).
     problem, rows = normal, NORMAL_MEASUREMENTS
     # Weakly typed values (Python floats, `jnp.asarray(-0.7)`) compute as the
     # nominal float64 ones do: the same compiled `nll` and `residuals`.
@@ -349,7 +361,7 @@ def test_normal_residuals_square_to_the_nll(normal, caplog):
     with jax.log_compiles(True), caplog.at_level("WARNING"):
         for model in (problem.nominal, other):
             r = problem.residuals(model)
-            assert r.shape == (2 * len(rows),) and r.dtype == jnp.float64
+            assert r.shape == (2 * len(rows) + 2,) and r.dtype == jnp.float64
             nll = problem.nll(model)
             assert nll.dtype == jnp.float64
             np.testing.assert_allclose(
@@ -522,3 +534,114 @@ def test_a_table_without_a_required_column_is_a_clear_error(tmp_path):
     table.write_text(lines)
     with pytest.raises(ValueError, match=r"measurement table has no column \['time'\]"):
         sciflat.petab_problem(path)
+
+
+#
+# Objective priors (PEtab v1), against SciPy's densities.
+#
+
+# (type, its parameters, the density of the value SciPy sees): k is on the log10
+# scale (linear value 0.3), scale linear (1.7), sd on the natural-log scale (0.2).
+PRIOR_CASES = [
+    [
+        ("k", "logNormal", "-1.0;0.6", stats.lognorm(s=0.6, scale=math.exp(-1.0)), K),
+        ("scale", "laplace", "1.5;0.3", stats.laplace(1.5, 0.3), SCALE),
+        ("sd", "uniform", "0.1;0.5", stats.uniform(0.1, 0.4), SD),
+    ],
+    [
+        (
+            "k",
+            "logLaplace",
+            "-1.0;0.5",
+            stats.loglaplace(c=1 / 0.5, scale=math.exp(-1.0)),
+            K,
+        ),
+        ("scale", "normal", "1.5;0.4", stats.norm(1.5, 0.4), SCALE),
+        (
+            "sd",
+            "parameterScaleLaplace",
+            "-1.2;0.5",
+            stats.laplace(-1.2, 0.5),
+            math.log(SD),
+        ),
+    ],
+    [
+        (
+            "k",
+            "parameterScaleUniform",
+            "-2;1",
+            stats.uniform(-2.0, 3.0),
+            math.log10(K),
+        ),
+        ("scale", "uniform", "0.1;10", stats.uniform(0.1, 9.9), SCALE),
+        (
+            "sd",
+            "parameterScaleNormal",
+            "-1.2;0.5",
+            stats.norm(-1.2, 0.5),
+            math.log(SD),
+        ),
+    ],
+]
+
+
+@pytest.mark.parametrize("case", PRIOR_CASES, ids=lambda c: "-".join(r[1] for r in c))
+def test_log_prior_is_scipys_density_of_each_prior_type(tmp_path, case):
+    scales = {"k": "log10", "scale": "lin", "sd": "log"}
+    bounds = {"k": (1e-3, 1e3), "scale": (0.1, 10), "sd": (1e-3, 10)}
+    nominal = {"k": K, "scale": SCALE, "sd": SD}
+    table = [
+        (pid, scales[pid], *bounds[pid], nominal[pid], 1, kind, text)
+        for pid, kind, text, _, _ in case
+    ] + [("sdB", "lin", 0, 1, SD_B, 0)]
+    problem = sciflat.petab_problem(small_problem(tmp_path, parameters_table=table))
+    want = sum(float(dist.logpdf(v)) for _, _, _, dist, v in case)
+    np.testing.assert_allclose(
+        float(problem.log_prior(problem.nominal)), want, rtol=1e-12
+    )
+
+
+def test_a_wrong_prior_is_a_clear_error(tmp_path):
+    table = [
+        ("k", "log10", 1e-3, 1e3, K, 1, "gamma", "1;2"),
+        ("scale", "lin", 0.1, 10, SCALE, 1),
+        ("sd", "log", 1e-3, 10, SD, 1),
+        ("sdB", "lin", 0, 1, SD_B, 0),
+    ]
+    with pytest.raises(
+        ValueError, match=r"Parameter 'k': `objectivePriorType` must be"
+    ):
+        sciflat.petab_problem(small_problem(tmp_path, parameters_table=table))
+
+
+SCHWEN = (
+    pathlib.Path(__file__).parent / "data/petab/Schwen_PONE2014/Schwen_PONE2014.yaml"
+)
+# AMICI's published value (the data's log-likelihood, without the priors).
+SCHWEN_LLH = -943.9992988598723
+
+
+@pytest.mark.slow  # reads SBML with SymPy and compiles Diffrax solves: seconds
+def test_schwen_nll_is_amicis_data_llh_and_its_normal_priors():
+    # 19 conditions, 30 parameters on the log10 scale, 6 with parameterScaleNormal
+    # priors: nll = -(AMICI's llh) - (the priors' log-density by SciPy).
+    import csv
+
+    problem = sciflat.petab_problem(SCHWEN)
+    with open(SCHWEN.parent / "parameters_Schwen_PONE2014.tsv") as f:
+        rows = [r for r in csv.DictReader(f, delimiter="\t") if r["objectivePriorType"]]
+    assert len(rows) == 6
+    log_prior = 0.0
+    for r in rows:
+        mean, sd = map(float, r["objectivePriorParameters"].split(";"))
+        assert r["objectivePriorType"] == "parameterScaleNormal"
+        log_prior += stats.norm(mean, sd).logpdf(
+            float(problem.nominal[r["parameterId"]])
+        )
+    np.testing.assert_allclose(
+        float(problem.nll(problem.nominal)), -SCHWEN_LLH - log_prior, rtol=1e-8
+    )
+    np.testing.assert_allclose(
+        float(problem.llh(problem.nominal)), SCHWEN_LLH, rtol=1e-8
+    )
+    np.testing.assert_allclose(float(problem.log_prior(problem.nominal)), log_prior)

@@ -72,14 +72,16 @@ class PetabProblem:
         [`ReactionODE`][sciflat.ReactionODE]`.constants` holds).
     - `measurements`: the measurement table, rows as dicts.
     - `n_data`: the number of measurements.
-    - `nll`: `nll(model) -> scalar`, the negative log-likelihood (jit-compiled; for
-        [`sciflat.minimize`][]).
-    - `residuals`: `residuals(model) -> (2 n_data,)` for [`sciflat.least_squares`][]
-        (normal noise only): `(y - h) / σ` on the observables' scales, then
-        `sqrt(2 log σ + C)`, so that half their sum of squares is `nll` up to a
-        constant: the estimated σ enter as in Data2Dynamics' error model. `C` keeps
-        the square root real for σ above the smallest positive lower bound of the
-        parameter table.
+    - `nll`: `nll(model) -> scalar`, the negative log-likelihood, plus the negative
+        log-density of the objective priors if the table gives any (jit-compiled;
+        for [`sciflat.minimize`][]).
+    - `residuals`: `residuals(model) -> (2 n_data + n_priors,)` for
+        [`sciflat.least_squares`][] (normal noise and normal priors only):
+        `(y - h) / σ` on the observables' scales, then `sqrt(2 log σ + C)`, then
+        `(v - mean) / σ` of each prior, so that half their sum of squares is `nll`
+        up to a constant: the estimated σ enter as in Data2Dynamics' error model.
+        `C` keeps the square root real for σ above the smallest positive lower bound
+        of the parameter table.
     - `residual_offset`: `nll(m) == 0.5 * sum(residuals(m) ** 2) + residual_offset`.
     """
 
@@ -112,6 +114,7 @@ class PetabProblem:
         # jit by identity: one compilation per problem, shared by every fit.
         self.nll = _strongly_typed(jax.jit(self._nll))
         self.residuals = _strongly_typed(jax.jit(self._residuals))
+        self._neg_log_prior = _strongly_typed(jax.jit(objective.neg_log_prior))
 
     def _nll(self, model: dict[str, Any]) -> Scalar:
         return self._objective.nll(model)
@@ -124,8 +127,22 @@ class PetabProblem:
         return self._objective.residual_offset()
 
     def llh(self, model: dict[str, Any]) -> Scalar:
-        """The log-likelihood, `-nll(model)` (what the benchmark collection reports)."""
-        return -self.nll(model)
+        """The data's log-likelihood, without the priors: `-nll(model) -
+        log_prior(model)` (what the benchmark collection reports)."""
+        if not len(self._objective.tables.parameters.priors.index):
+            return -self.nll(model)
+        return -self.nll(model) - self.log_prior(model)
+
+    def log_prior(self, model: dict[str, Any]) -> Scalar:
+        """The log-density of the objective priors at `model` (0 without priors).
+
+        PEtab v1's `objectivePriorType`s: `uniform`, `normal`, `laplace`,
+        `logNormal`, `logLaplace` are densities of the linear value;
+        `parameterScaleUniform`, `parameterScaleNormal`, `parameterScaleLaplace` of the
+        value on the parameter's scale; none is truncated at the bounds. `nll` is
+        `-(llh + log_prior)`.
+        """
+        return -self._neg_log_prior(model)
 
     def unscale(self, model: dict[str, Any]) -> dict[str, Array]:
         """The estimated parameters on the linear scale.
@@ -279,7 +296,7 @@ def petab_problem(
     in concentrations or amounts, compartments, parameters, initial assignments,
     assignment rules; function definitions expanded), compiled to JAX and solved by
     Diffrax in every simulation condition. Events, delays, algebraic and rate rules,
-    piecewise functions, priors, pre-equilibration and steady-state measurements are
+    piecewise functions, pre-equilibration and steady-state measurements are
     refused with a `ValueError` naming them, never silently dropped. Needs the
     `petab` extra: `pip install "sciflat[petab]"`.
 

@@ -17,6 +17,7 @@ import math
 import os
 import re as regex
 import warnings
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import numpy as np
@@ -201,6 +202,86 @@ def _require(rows: list[Row], table: str) -> None:
 #
 
 
+# PEtab v1's objective priors. The first five are densities of the linear value, the
+# `parameterScale` ones of the value on the parameter's scale; each is untruncated (the
+# bounds do not renormalise it), as PEtab v1 and pyPESTO define them.
+PRIORS = (
+    "uniform",
+    "normal",
+    "laplace",
+    "logNormal",
+    "logLaplace",
+    "parameterScaleUniform",
+    "parameterScaleNormal",
+    "parameterScaleLaplace",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Priors:
+    """The objective priors of the estimated parameters: for each prior, the position
+    of its parameter among the estimated ones, its type (an index into `PRIORS`) and
+    its two parameters."""
+
+    index: npt.NDArray[np.int64]
+    kind: npt.NDArray[np.int64]
+    a: npt.NDArray[np.float64]
+    b: npt.NDArray[np.float64]
+
+
+def _prior(r: Row, pid: str, scale: str) -> tuple[int, float, float] | None:
+    kind = r.get("objectivePriorType", "")
+    text = r.get("objectivePriorParameters", "")
+    if not kind:
+        if text:
+            raise ValueError(
+                f"Parameter {pid!r} gives `objectivePriorParameters` ({text!r}) but no "
+                "`objectivePriorType`."
+            )
+        return None
+    if kind not in PRIORS:
+        raise ValueError(
+            f"Parameter {pid!r}: `objectivePriorType` must be one of {list(PRIORS)}, "
+            f"got {kind!r}."
+        )
+    if not text and kind == "parameterScaleUniform":  # PEtab: the bounds
+        text = ";".join(
+            repr(_to_scale(float(r[s]), scale)) for s in ("lowerBound", "upperBound")
+        )
+    values = [_float(s.strip()) for s in text.split(";")] if text else []
+    if len(values) != 2 or None in values:
+        raise ValueError(
+            f"Parameter {pid!r}: a {kind} prior takes two numbers in "
+            f"`objectivePriorParameters` (`a;b`), got {text!r}."
+        )
+    a, b = values
+    assert a is not None and b is not None
+    if b <= a if kind.endswith(("uniform", "Uniform")) else b <= 0:
+        raise ValueError(
+            f"Parameter {pid!r}: the {kind} prior's parameters {text!r} are not a "
+            "valid distribution (a uniform prior needs a < b, the others a positive "
+            "scale)."
+        )
+    return PRIORS.index(kind), a, b
+
+
+def _priors(rows: list[Row], estimated: list[str], scales: Mapping[str, str]) -> Priors:
+    index, kind, a, b = [], [], [], []
+    for r in rows:
+        pid = r["parameterId"]
+        if pid in estimated and (got := _prior(r, pid, scales[pid])) is not None:
+            index.append(estimated.index(pid))
+            kind.append(got[0])
+            a.append(got[1])
+            b.append(got[2])
+    return Priors(
+        index=np.array(index, int),
+        kind=np.array(kind, int),
+        a=np.array(a, np.float64),
+        b=np.array(b, np.float64),
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Parameters:
     """The parameter table: every parameter's nominal value (linear), the estimated
@@ -214,16 +295,7 @@ class Parameters:
     lower: dict[str, float]
     upper: dict[str, float]
     sigma_floor: float  # the smallest positive lower bound of an estimated one
-
-
-def _check_no_priors(rows: list[Row]) -> None:
-    for column in ("objectivePriorType", "objectivePriorParameters"):
-        used = [r["parameterId"] for r in rows if r.get(column)]
-        if used:
-            raise ValueError(
-                f"The parameter table gives `{column}` for {used}: priors are not "
-                "supported by sciflat's PEtab reader (the objective would differ)."
-            )
+    priors: Priors
 
 
 def _bounds(r: Row, pid: str, scale: str) -> tuple[float, float]:
@@ -244,7 +316,6 @@ def _bounds(r: Row, pid: str, scale: str) -> tuple[float, float]:
 def read_parameters(rows: list[Row]) -> Parameters:
     if not rows:
         raise ValueError("The PEtab problem has an empty parameter table.")
-    _check_no_priors(rows)
     table_ids = tuple(r["parameterId"] for r in rows)
     if len(set(table_ids)) != len(table_ids):
         raise ValueError("The parameter table lists a parameterId twice.")
@@ -282,6 +353,7 @@ def read_parameters(rows: list[Row]) -> Parameters:
         lower=lower,
         upper=upper,
         sigma_floor=min(positive) if positive else 1e-8,
+        priors=_priors(rows, estimated, scales),
     )
 
 
