@@ -216,3 +216,48 @@ def test_through_a_transform_and_a_tie_and_an_open_side():
 
     ref = scipy.optimize.brentq(excess, 1.0, k.value, xtol=1e-13)
     assert k.lower == pytest.approx(ref, rel=1e-6)
+
+
+def test_a_negative_parameter_and_its_asymmetric_interval_exactly():
+    # lmfit #64, #91 (the root finder's signs): a negative rate, an asymmetric
+    # profile. The reference: for a fixed rate the amplitude is linear, solved in
+    # closed form, and brentq finds where 2 Δ(-log L) crosses χ²₁ (σ known).
+    x = np.linspace(0.0, 2.0, 8)
+    s = 0.05
+    y = 2.0 * np.exp(-1.5 * x) + s * np.random.default_rng(3).normal(size=8)
+
+    def nll(m, x, y):
+        return 0.5 * jnp.sum(((m["a"] * jnp.exp(m["b"] * x) - y) / s) ** 2)
+
+    fit = sciflat.minimize(nll, {"a": 1.0, "b": -1.0}, args=(x, y), progress=False)
+    prof = sciflat.profile(fit, nll, args=(x, y), which="b", levels=(0.99,))
+    it = prof["b"].interval(0.99)
+
+    def chi2(b):
+        g = np.exp(b * x)
+        return np.sum(((g @ y / (g @ g)) * g - y) ** 2) / s**2
+
+    best = scipy.optimize.minimize_scalar(chi2, bracket=(-2.0, -1.0), tol=1e-14).x
+    excess = lambda b: chi2(b) - chi2(best) - scipy.stats.chi2.ppf(0.99, 1)
+    lo = scipy.optimize.brentq(excess, best - 1.0, best, xtol=1e-14)
+    hi = scipy.optimize.brentq(excess, best, best + 1.0, xtol=1e-14)
+    assert lo < it.value < hi < 0
+    np.testing.assert_allclose([it.lower, it.upper], [lo, hi], rtol=1e-7)
+    assert hi - best != pytest.approx(best - lo, rel=1e-2)  # asymmetric
+
+
+def test_profiles_plot(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    x = np.linspace(0.0, 2.0, 8)
+    y = 1.0 + 0.5 * x + 0.1 * np.random.default_rng(4).normal(size=8)
+    nll_line = lambda m, x, y: 0.5 * jnp.sum((m["a"] + m["b"] * x - y) ** 2 / 0.01)
+    fit = sciflat.minimize(nll_line, {"a": 0.0, "b": 0.0}, args=(x, y), progress=False)
+    prof = sciflat.profile(fit, nll_line, args=(x, y))
+    fig = prof.plot()
+    assert len(fig.axes) == 2
+    line = fig.axes[0].lines[0]
+    np.testing.assert_allclose(line.get_xdata(), prof["a"].values)
+    np.testing.assert_allclose(line.get_ydata(), prof["a"].statistic)
+    fig.savefig(tmp_path / "profiles.png")

@@ -215,3 +215,21 @@ def test_band_equals_lmfits_eval_uncertainty(fitted):
     theirs_p = out.dely_predicted
     ours_p = sciflat.band(fitted, lambda m: decay(m, XS), level=level, prediction=True)
     np.testing.assert_allclose(ours_p.upper - ours_p.value, theirs_p, rtol=1e-4)
+
+
+def test_plot_fit_shades_the_bands(linear_fit, tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    predict = lambda m, x: quadratic(m, x)
+    fig = sciflat.plot_fit(linear_fit, predict, X, Y, level=0.9, prediction=True)
+    top = fig.axes[0]
+    conf, pred = top.collections  # the two bands, in that order
+    b = sciflat.band(linear_fit, lambda m: quadratic(m, np.sort(X)), level=0.9)
+    edges = conf.get_paths()[0].vertices[:, 1]
+    assert np.isclose(edges[:, None], b.upper[None]).any(0).all()  # the upper edge
+    assert np.isclose(edges[:, None], b.lower[None]).any(0).all()
+    assert len(pred.get_paths()[0].vertices) > 0
+    labels = [t.get_text() for t in top.get_legend().get_texts()]
+    assert "90% confidence band" in labels and "90% prediction band" in labels
+    fig.savefig(tmp_path / "band.png")
