@@ -27,6 +27,7 @@ import numpy.typing as npt
 from ._fitting.band import ONE_SIGMA
 from ._fitting.delta import derivative, value_names
 from ._fitting.fn_key import identity_key
+from ._fitting.problem import split_args
 from ._fitting.programs import shared, structure_key
 from ._fitting.report import pretty
 from ._fitting.result import FitResult
@@ -228,12 +229,13 @@ def _drop(x: np.ndarray, j: int) -> np.ndarray:
     return np.delete(x, j, axis=-1)
 
 
-def _objective_fn(fn: Callable, re: Restructure, vector: bool) -> Callable:
-    """`(x, args) -> objective`: Σr² of residuals, or 2 × a negative log-likelihood:
-    in either, the statistic is a difference of it (divided by s² where scaled)."""
+def _objective_fn(fn: Callable, re: Restructure, vector: bool, rebuild) -> Callable:
+    """`(x, leaves) -> objective`: Σr² of residuals, or 2 × a negative
+    log-likelihood: in either, the statistic is a difference of it (divided by s²
+    where scaled). `rebuild(leaves)` gives `args` back (`split_args`)."""
 
-    def objective(x, args):
-        out = jnp.asarray(fn(unwrap(re(x)), *args))
+    def objective(x, leaves):
+        out = jnp.asarray(fn(unwrap(re(x)), *rebuild(leaves)))
         return jnp.sum(out**2) if vector else 2.0 * out
 
     return objective
@@ -252,14 +254,16 @@ def _forward(f: Callable) -> Callable:
     return both
 
 
-def _value_and_grads(fn, re, vector: bool) -> Callable:
+def _value_and_grads(fn, re, vector: bool, rebuild) -> Callable:
     """`(xs (K, n), args) -> (objective (K,), gradient (K, n))`, compiled once per
     function and structure (kept, as the fits' programs: keyed by identity)."""
 
     def make():
-        return jax.jit(jax.vmap(_forward(_objective_fn(fn, re, vector)), (0, None)))
+        obj = _objective_fn(fn, re, vector, rebuild)
+        return jax.jit(jax.vmap(_forward(obj), (0, None)))
 
-    return shared(("profile:value", identity_key(fn), structure_key(re), vector), make)
+    key = ("profile:value", identity_key(fn), structure_key(re), vector, rebuild)
+    return shared(key, make)
 
 
 def _reduced_residuals(fn, re):
@@ -273,26 +277,27 @@ def _reduced_residuals(fn, re):
     return residuals
 
 
-def _reduced_value_and_grad(fn, re, vector: bool) -> Callable:
+def _reduced_value_and_grad(fn, re, vector: bool, rebuild) -> Callable:
     """`(y, j, xj, args) -> (objective, gradient in y)` for SciPy's refits."""
 
     def make():
-        obj = _objective_fn(fn, re, vector)
+        obj = _objective_fn(fn, re, vector, rebuild)
         return jax.jit(_forward(lambda y, j, xj, args: obj(_embed(y, j, xj), args)))
 
-    key = ("profile:reduced", identity_key(fn), structure_key(re), vector)
+    key = ("profile:reduced", identity_key(fn), structure_key(re), vector, rebuild)
     return shared(key, make)
 
 
-def _reduced_residuals_and_jac(fn, re) -> Callable:
+def _reduced_residuals_and_jac(fn, re, rebuild) -> Callable:
     def make():
         r = _reduced_residuals(fn, re)
-        f = lambda y, j, xj, args: r(y, *args, j, xj)
+        f = lambda y, j, xj, leaves: r(y, *rebuild(leaves), j, xj)
         return jax.jit(
             lambda y, j, xj, args: (f(y, j, xj, args), jax.jacfwd(f)(y, j, xj, args))
         )
 
-    return shared(("profile:residuals", identity_key(fn), structure_key(re)), make)
+    key = ("profile:residuals", identity_key(fn), structure_key(re), rebuild)
+    return shared(key, make)
 
 
 #
@@ -305,6 +310,8 @@ class _Engine:
     fn: Callable
     re: Restructure
     args: tuple
+    leaves: list
+    rebuild: Any
     vector: bool
     lb: np.ndarray
     ub: np.ndarray
@@ -355,14 +362,14 @@ class _Engine:
         bounded = np.isfinite(lb).any() or np.isfinite(ub).any()
         jj, xx = np.int32(j), np.float64(xj)
         if self.vector:
-            f = _reduced_residuals_and_jac(self.fn, self.re)
+            f = _reduced_residuals_and_jac(self.fn, self.re, self.rebuild)
             cache: dict = {}
 
             def both(y):
                 key = y.tobytes()
                 if key not in cache:
                     cache.clear()
-                    r, jac = f(jnp.asarray(y), jj, xx, self.args)
+                    r, jac = f(jnp.asarray(y), jj, xx, self.leaves)
                     cache[key] = (np.asarray(r), np.asarray(jac))
                 return cache[key]
 
@@ -378,10 +385,10 @@ class _Engine:
             )
             y = sol.x
         else:
-            g = _reduced_value_and_grad(self.fn, self.re, False)
+            g = _reduced_value_and_grad(self.fn, self.re, False, self.rebuild)
 
             def fun(y):
-                v, d = g(jnp.asarray(y), jj, xx, self.args)
+                v, d = g(jnp.asarray(y), jj, xx, self.leaves)
                 return float(v), np.asarray(d, np.float64)
 
             sol = scipy.optimize.minimize(
@@ -640,8 +647,9 @@ def profile(
     args = tuple(args)
     out = jax.eval_shape(lambda x: fn(unwrap(re(x)), *args), jnp.asarray(x_hat))
     vector = len(getattr(out, "shape", ())) > 0
-    evaluate = _value_and_grads(fn, re, vector)
-    f_hat = float(evaluate(jnp.asarray(x_hat)[None], args)[0][0])
+    leaves, rebuild = split_args(args)
+    evaluate = _value_and_grads(fn, re, vector, rebuild)
+    f_hat = float(evaluate(jnp.asarray(x_hat)[None], leaves)[0][0])
 
     unc = result.uncertainty
     if vector:
@@ -675,7 +683,7 @@ def profile(
             "`batch=True` needs residuals without bounds (the device fit takes none); "
             "leave `batch` unset to refit with SciPy."
         )
-    engine = _Engine(fn, re, args, vector, lb, ub, use_batch, dict(kwargs))
+    engine = _Engine(fn, re, args, leaves, rebuild, vector, lb, ub, use_batch, kwargs)
     steps = _first_steps(result, x_hat, re)
     paths = [
         _Path(
@@ -705,7 +713,7 @@ def profile(
         )
         starts = np.clip(starts, lb, ub)
         fitted = engine.refit(js, xjs, starts)
-        values, grads = evaluate(jnp.asarray(fitted), args)
+        values, grads = evaluate(jnp.asarray(fitted), leaves)
         values, grads = np.asarray(values), np.asarray(grads)
         for k, (path, h) in enumerate(zip(active, hs, strict=True)):
             stat = (values[k] - f_hat) / scale

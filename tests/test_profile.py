@@ -218,6 +218,7 @@ def test_through_a_transform_and_a_tie_and_an_open_side():
     assert k.lower == pytest.approx(ref, rel=1e-6)
 
 
+@pytest.mark.slow  # 1.8 s (a loaded machine): the SciPy refits' programs compile
 def test_a_negative_parameter_and_its_asymmetric_interval_exactly():
     # lmfit #64, #91 (the root finder's signs): a negative rate, an asymmetric
     # profile. The reference: for a fixed rate the amplitude is linear, solved in
@@ -246,15 +247,20 @@ def test_a_negative_parameter_and_its_asymmetric_interval_exactly():
     assert hi - best != pytest.approx(best - lo, rel=1e-2)  # asymmetric
 
 
-def test_profiles_plot(tmp_path):
+@pytest.mark.slow  # 2.2 s (a loaded machine): matplotlib, and the programs compile
+def test_profiles_plot_and_static_args(tmp_path):
     import matplotlib
 
     matplotlib.use("Agg")
     x = np.linspace(0.0, 2.0, 8)
     y = 1.0 + 0.5 * x + 0.1 * np.random.default_rng(4).normal(size=8)
-    nll_line = lambda m, x, y: 0.5 * jnp.sum((m["a"] + m["b"] * x - y) ** 2 / 0.01)
-    fit = sciflat.minimize(nll_line, {"a": 0.0, "b": 0.0}, args=(x, y), progress=False)
-    prof = sciflat.profile(fit, nll_line, args=(x, y))
+
+    def nll_line(m, x, y, power):  # `power`: a Python int, static in the programs
+        return 0.5 * jnp.sum((m["a"] + m["b"] * x**power - y) ** 2 / 0.01)
+
+    args = (x, y, 1)
+    fit = sciflat.minimize(nll_line, {"a": 0.0, "b": 0.0}, args=args, progress=False)
+    prof = sciflat.profile(fit, nll_line, args=args)
     fig = prof.plot()
     assert len(fig.axes) == 2
     line = fig.axes[0].lines[0]
