@@ -304,6 +304,24 @@ def _check_uncertainty(kinds, res, ref):
             if kind == COMPLEX:  # the real and imaginary parts' standard errors
                 s = np.asarray([np.real(s), np.imag(s)]).ravel()
             np.testing.assert_allclose(s.ravel(), s_ref.ravel(), rtol=1e-5, err_msg=use)
+    # The band of the values themselves is their standard error: `band`'s Jacobian
+    # through the transforms and ties, against the covariance's diagonal.
+    uses = [
+        use
+        for i, kind in enumerate(kinds)
+        if kind not in ("frozen", "int", COMPLEX)
+        for use in _uses(i, kind)
+    ]
+    if uses:
+        values = lambda m: jnp.concatenate([jnp.ravel(m[u]) for u in uses])
+        band = sciflat.band(res, values)
+        want = np.concatenate([_stderr_of(stderr[u]).ravel() for u in uses])
+        np.testing.assert_allclose(band.stderr, want, rtol=1e-8)
+    # Known errors divide out the residual variance, and nothing else.
+    unc = res.uncertainty
+    if unc.residual_variance is not None and np.isfinite(unc.residual_variance):
+        known = res.with_known_errors().covariance * unc.residual_variance
+        np.testing.assert_allclose(known, res.covariance, rtol=1e-12)
     # The report prints each constrained value (and the standard error beside it),
     # a tie once, under its first use; a vector's entries as `u0[0]`, `u0[1]`.
     text = str(res)
