@@ -226,10 +226,12 @@ def closed_form(k, a0, t):
     return {"A": a, "B": 3 * a0 - a, "C": 5 * np.exp(-2 * k * t)}
 
 
-def small_nll(k=K, scale=SCALE, sd=SD):
-    """The PEtab negative log-likelihood of the small problem, by hand."""
+def small_nll(k=K, scale=SCALE, sd=SD, measurements=SMALL_MEASUREMENTS, sd_a=None):
+    """The PEtab negative log-likelihood of the small problem, by hand (obsA's σ is
+    `sd`, or `sd_a(sd, scale)`)."""
     total = 0.0
-    for obs, cond, y, t, _, _ in SMALL_MEASUREMENTS:
+    sd = sd if sd_a is None else sd_a(sd, scale)
+    for obs, cond, y, t, _, _ in measurements:
         x = closed_form(k, {"low": 1.0, "high": 2.0}[cond], t)
         if obs == "obsA":  # normal, linear
             h = scale * x["A"]
@@ -372,6 +374,25 @@ def test_normal_residuals_square_to_the_nll(normal, caplog):
     compiled = [r.getMessage().split(" with ")[0] for r in caplog.records]
     assert compiled.count("Compiling jit(_nll)") == 1, compiled
     assert compiled.count("Compiling jit(_residuals)") == 1, compiled
+
+
+@pytest.mark.slow  # reads SBML with SymPy and compiles Diffrax solves: seconds
+def test_a_noise_formula_may_name_the_observable_parameters(tmp_path):
+    # obsA's σ = sd * scale (its noise parameter times its observable parameter).
+    rows = [m for m in SMALL_MEASUREMENTS if m[0] == "obsA"]
+    noise = "noiseParameter1_obsA * observableParameter1_obsA"
+    observables = [("obsA", "observableParameter1_obsA * A", noise, "lin", "normal")]
+    table = [
+        ("k", "log10", 1e-3, 1e3, K, 1),
+        ("scale", "lin", 0.1, 10, SCALE, 1),
+        ("sd", "log", 1e-3, 10, SD, 1),
+    ]
+    path = small_problem(
+        tmp_path, rows, observables=observables, parameters_table=table
+    )
+    problem = sciflat.petab_problem(path, rtol=1e-10, atol=1e-12)
+    want = small_nll(measurements=rows, sd_a=lambda sd, scale: sd * scale)
+    np.testing.assert_allclose(float(problem.nll(problem.nominal)), want, rtol=1e-9)
 
 
 @pytest.mark.slow  # compiles the Jacobian through the solves twice: seconds

@@ -19,7 +19,8 @@ from .tables import Row, Tables
 class Formulas:
     """Lambdified formulas: `rhs(t, x, k)`, `x0(k)`, and per observable (in
     `Tables.observable_ids`' order) `h[o]` and `sigma[o]`, each
-    `(t, x, k, q, placeholders)`."""
+    `(t, x, k, q, placeholders)`: the observable's placeholders for `h`, those and
+    then the noise placeholders for `sigma`."""
 
     rhs: Any
     x0: Any
@@ -87,11 +88,10 @@ def compile_formulas(sympy: Any, ode: SbmlOde, tables: Tables) -> Formulas:
     h, sigma = [], []
     for oid in tables.observable_ids:
         row: Row = tables.observables[oid]
-        for column, names, out in zip(
-            ("observableFormula", "noiseFormula"),
-            tables.placeholders[oid],
-            (h, sigma),
-            strict=True,
+        observable, noise = tables.placeholders[oid]
+        for column, names, out in (
+            ("observableFormula", observable, h),
+            ("noiseFormula", [*observable, *noise], sigma),
         ):
             where = f"Observable {oid!r}, {column}"
             expr = parse(sympy, ode, table_ids, row[column], where, names)

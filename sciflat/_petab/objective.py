@@ -241,7 +241,7 @@ class Objective:
             xs = ys[g.time_index]
             ts = jnp.asarray(g.times, ext.dtype)
             ops = ext[g.observable_parameters]
-            nps = ext[g.noise_parameters]
+            nps = jnp.concatenate([ops, ext[g.noise_parameters]], axis=1)
             h = _rows(formulas.h[g.observable], ts, xs, constants, q, ops)
             s = _rows(formulas.sigma[g.observable], ts, xs, constants, q, nps)
             parts["h"].append(h)

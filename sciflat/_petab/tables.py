@@ -458,7 +458,9 @@ class Tables:
     q_only: npt.NDArray[np.int64]  # table parameters that are no SBML constant
     constant_index: tuple[npt.NDArray[np.int64], ...]  # per condition, into `ext`
     x0_override: tuple[dict[int, int], ...]  # per condition: state -> `ext`
-    placeholders: dict[str, tuple[list[str], list[str]]]  # observable, noise names
+    # Per observable: its observable and noise placeholders; the noise formula takes
+    # both, in that order.
+    placeholders: dict[str, tuple[list[str], list[str]]]
     union_times: npt.NDArray[np.float64]  # every condition is solved at these
     groups: tuple[Group, ...]
     order: npt.NDArray[np.int64]  # the groups' rows, back to the table's order
@@ -519,15 +521,15 @@ def _condition_index(
 
 
 def _placeholders(oid: str, row: Row) -> tuple[list[str], list[str]]:
-    """The `observableParameter{n}_` and `noiseParameter{n}_` names of an observable."""
-    out = []
-    for column, kind in (
-        ("observableFormula", "observable"),
-        ("noiseFormula", "noise"),
-    ):
-        text = row.get(column, "")
-        if not text:
+    """The `observableParameter{n}_` and `noiseParameter{n}_` names of an observable.
+    The noise formula may name the observable parameters too (PEtab v1): their count
+    is the highest either formula names."""
+    for column in ("observableFormula", "noiseFormula"):
+        if not row.get(column, ""):
             raise ValueError(f"Observable {oid!r} has no `{column}`.")
+    both = row["observableFormula"] + " " + row["noiseFormula"]
+    out = []
+    for kind, text in (("observable", both), ("noise", row["noiseFormula"])):
         pattern = regex.compile(rf"\b{kind}Parameter(\d+)_{regex.escape(oid)}\b")
         n = max((int(m) for m in pattern.findall(text)), default=0)
         out.append([f"{kind}Parameter{i + 1}_{oid}" for i in range(n)])
