@@ -677,11 +677,14 @@ def profile(
     fb = flat_bounds(bounds, re, x_hat) if bounds is not None else None
     lb, ub = fb if fb is not None else (np.full(n, -np.inf), np.full(n, np.inf))
     lb, ub = np.asarray(lb, np.float64), np.asarray(ub, np.float64)
-    use_batch = vector and fb is None if batch is None else bool(batch)
-    if use_batch and (not vector or fb is not None):
+    # The device fit takes no bounds and needs m >= n - 1 residuals.
+    batchable = vector and fb is None and int(np.prod(out.shape)) >= n - 1
+    use_batch = batchable if batch is None else bool(batch)
+    if use_batch and not batchable:
         raise ValueError(
-            "`batch=True` needs residuals without bounds (the device fit takes none); "
-            "leave `batch` unset to refit with SciPy."
+            "`batch=True` needs residuals without bounds, at least as many as the "
+            "other parameters (the device fit's); leave `batch` unset to refit with "
+            "SciPy."
         )
     engine = _Engine(fn, re, args, leaves, rebuild, vector, lb, ub, use_batch, kwargs)
     steps = _first_steps(result, x_hat, re)

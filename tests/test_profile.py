@@ -96,6 +96,7 @@ def test_a_single_profiled_parameter_and_one_parameter_models(nll_fit):
     )
 
 
+@pytest.mark.slow  # 2.0 s (a loaded machine): the fit and the refits compile
 def test_a_bound_inside_the_interval_is_an_open_side():
     # lmfit #308 (bounds): the fit sits inside, the bound cuts the 95 % interval.
     bounds = {lambda m: m["c"]: (0.52, 10.0)}
@@ -116,6 +117,8 @@ def test_bad_levels_and_names_are_errors(nll_fit):
         sciflat.profile(nll_fit, nll, args=ARGS, which="d")
     with pytest.raises(TypeError, match="`result`"):
         sciflat.profile("fit", nll, args=ARGS)
+    with pytest.raises(ValueError, match="`batch=True` needs residuals"):
+        sciflat.profile(nll_fit, nll, args=ARGS, batch=True)  # a scalar -log L
 
 
 #
