@@ -30,6 +30,13 @@ Five tables (docs/many_fits.md):
 
     python benchmarks/bench_many_fits.py --runtime --repeats 300
 
+6. `--cpufit [--max-k K]`: Gpufit's own benchmark (GAUSS_2D, 5 × 5 pixels): Cpufit,
+   built here from `../shared/anchors/gpufit/` (float32 and float64, one thread), and
+   `least_squares_batch` on the same data and starts, K = 10 ... `--max-k`,
+   interleaved in one process.
+
+    python benchmarks/bench_many_fits.py --cpufit --max-k 100000
+
 5. `--floor`: the least one turn of a batch costs a slot with MINPACK's algorithm
    (its residuals and Jacobian, LAPACK's QR and SVD, each timed alone at the pool's
    size), from which the best ratio against lmfit's loop follows.
@@ -41,6 +48,7 @@ process; on a shared machine the ratios move by tens of percent: say so with the
 """
 
 import argparse
+import functools
 import pathlib
 import statistics
 import sys
@@ -450,6 +458,159 @@ def _floor_row(name: str, case: dict, repeats: int) -> None:
     )
 
 
+#
+# 6. Gpufit's own benchmark: the batch against Cpufit
+#
+
+_GPUFIT = pathlib.Path(__file__).resolve().parents[2] / "shared" / "anchors" / "gpufit"
+
+
+def build_cpufit(where: pathlib.Path, double: bool):
+    """Cpufit built from the unchanged copy in `../shared/anchors/gpufit/` (its
+    README's `g++` line) in a copy under `where`, float32 as Gpufit ships or float64
+    (`-DGPUFIT_DOUBLE` and the README's two edits, in the copy); its binding
+    `pycpufit.cpufit` as a module. None, with a message, where it cannot be built."""
+    import importlib.util
+    import shutil
+    import subprocess
+
+    compiler = shutil.which("g++")
+    if compiler is None or not _GPUFIT.is_dir():
+        print(f"Cpufit skipped: no g++ ({compiler}) or no {_GPUFIT}.")
+        return None
+    copy = where / ("gpufit64" if double else "gpufit32")
+    shutil.copytree(_GPUFIT, copy)
+    for path in copy.rglob("*"):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    binding = copy / "Cpufit" / "python" / "pycpufit" / "cpufit.py"
+    flags = []
+    if double:
+        flags = ["-DGPUFIT_DOUBLE"]
+        source = copy / "Cpufit" / "lm_fit_cpp.cpp"
+        source.write_text(
+            source.read_text().replace("float& parameter", "REAL& parameter")
+        )
+        text = binding.read_text().replace("np.float32", "np.float64")
+        binding.write_text(text.replace("c_float", "c_double"))
+    sources = "cpufit.cpp info.cpp lm_fit.cpp lm_fit_cpp.cpp interface.cpp".split()
+    command = [compiler, "-O3", "-march=native", "-std=c++14", "-shared", "-fPIC"]
+    command += [*flags, *sources, "-o", "python/pycpufit/libCpufit.so"]
+    done = subprocess.run(command, cwd=copy / "Cpufit", capture_output=True, text=True)
+    if done.returncode != 0:
+        print(f"Cpufit skipped: {' '.join(command)} failed:\n{done.stderr[-2000:]}")
+        return None
+    name = f"pycpufit{64 if double else 32}"
+    spec = importlib.util.spec_from_file_location(name, binding)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def gpufit_case(k: int, rng):
+    """Gpufit's benchmark (`Gpufit_Cpufit_Performance_Comparison.cpp`): GAUSS_2D on
+    5 × 5 pixels, amplitude 500, centre (2, 2), width 1, background 10, each times
+    U(0.9, 1.1); Gaussian noise at SNR 10 (its formula: standard deviation 17.05);
+    starts the truth times U(0.9, 1.1). Parameters in Gpufit's order."""
+    truth = np.array([500.0, 2.0, 2.0, 1.0, 10.0]) * rng.uniform(0.9, 1.1, (k, 5))
+    pixel = np.arange(25)
+    xy = np.stack([pixel % 5, pixel // 5]).astype(np.float64)
+    a, x0, y0, w, b = (truth[:, i : i + 1] for i in range(5))
+    mean = a * np.exp(-((xy[0] - x0) ** 2 + (xy[1] - y0) ** 2) / (2 * w**2)) + b
+    fwtm = 4.292  # Gpufit's full width at a tenth of the maximum, for width 1
+    std = 2 * np.pi * 500.0 / fwtm**2 / 10
+    data = mean + rng.normal(0.0, std, mean.shape)
+    starts = truth * rng.uniform(0.9, 1.1, truth.shape)
+    return truth, xy, data, starts
+
+
+def gauss_2d(p, xy, z):
+    r2 = (xy[0] - p[1]) ** 2 + (xy[1] - p[2]) ** 2
+    return p[0] * jnp.exp(-r2 / (2 * p[3] ** 2)) + p[4] - z
+
+
+def cpufit_table(ks: list[int], repeats: int) -> None:
+    """Cpufit (one thread) and `least_squares_batch` on the same data and starts,
+    interleaved in one process: fits/s (median of `repeats`), the batch's compile
+    time, the median absolute error of the centre's x against the truth, the mean
+    number of iterations (Cpufit) or evaluations (sciflat), the converged fraction."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cpufit = {
+            bits: build_cpufit(pathlib.Path(tmp), double=bits == 64)
+            for bits in (32, 64)
+        }
+        print(
+            "| K | fit | fits/s | vs Cpufit float32 | compile s | median abs. error "
+            "of x0 (px) | iterations / evaluations | converged |\n"
+            "|---:|---|---:|---:|---:|---:|---:|---:|"
+        )
+        for k in ks:
+            truth, xy, data, starts = gpufit_case(k, np.random.default_rng(0))
+            variants: dict = {}
+            for bits, module in cpufit.items():
+                if module is None:
+                    continue
+                dtype = np.float32 if bits == 32 else np.float64
+                d, s = data.astype(dtype), starts.astype(dtype)
+                variants[f"Cpufit float{bits}, 1 thread"] = lambda m=module, d=d, s=s: (
+                    m.fit(d, None, m.ModelID.GAUSS_2D, s, 1e-4, 10)
+                )
+            gpufit_options = {"ftol": 1e-4, "xtol": 1e-4, "max_nfev": 11}
+            for label, algorithm, options in (
+                ("NormalEquations, defaults", sciflat.NormalEquations(), {}),
+                (
+                    "NormalEquations, tol 1e-4, 11 ev.",
+                    sciflat.NormalEquations(),
+                    gpufit_options,
+                ),
+                ("MinpackQR, tol 1e-4, 11 ev.", sciflat.MinpackQR(), gpufit_options),
+            ):
+                variants[f"`least_squares_batch`, {label}"] = functools.partial(
+                    sciflat.least_squares_batch,
+                    gauss_2d,
+                    jnp.asarray(starts[0]),
+                    args=(xy,),
+                    batch_args=(data,),
+                    starts=starts,
+                    progress=False,
+                    algorithm=algorithm,
+                    **options,
+                )
+            first = {key: _timed(call) for key, call in variants.items()}
+            times: dict[str, list[float]] = {key: [] for key in variants}
+            out = {}
+            for _ in range(repeats):
+                for key, call in variants.items():
+                    t0 = time.perf_counter()
+                    out[key] = call()
+                    if hasattr(out[key], "p"):
+                        jax.block_until_ready(out[key].p)
+                    times[key].append(time.perf_counter() - t0)
+            med = {key: statistics.median(v) for key, v in times.items()}
+            base = next((med[key] for key in med if "float32" in key), None)
+            for key, result in out.items():
+                if key.startswith("Cpufit"):
+                    p, states, _, iterations, _ = result
+                    steps, ok = np.mean(iterations), np.mean(states == 0)
+                    compile_s = "—"
+                else:
+                    p, steps, ok = (
+                        result.p,
+                        np.mean(result.n_evaluations),
+                        np.mean(result.converged),
+                    )
+                    compile_s = f"{max(first[key] - med[key], 0.0):.1f}"
+                error = np.median(np.abs(np.asarray(p, np.float64)[:, 1] - truth[:, 1]))
+                ratio = f"{base / med[key]:.2f}" if base else "—"
+                print(
+                    f"| {k:,} | {key} | {k / med[key]:,.0f} | {ratio} | {compile_s} "
+                    f"| {error:.4f} | {steps:.2f} | {ok:.3f} |",
+                    flush=True,
+                )
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--single", action="store_true")
@@ -457,6 +618,14 @@ def main(argv=None) -> None:
     parser.add_argument("--devices", action="store_true")
     parser.add_argument("--runtime", nargs="*", metavar="PROBLEM")
     parser.add_argument("--floor", action="store_true")
+    parser.add_argument(
+        "--cpufit",
+        action="store_true",
+        help="Gpufit's benchmark: the batch against Cpufit built from ../shared",
+    )
+    parser.add_argument(
+        "--max-k", type=int, default=1_000_000, help="the largest K of --cpufit"
+    )
     parser.add_argument(
         "--cpu-devices",
         type=int,
@@ -490,6 +659,10 @@ def main(argv=None) -> None:
         return
     if args.floor:
         floor(args.cases, args.repeats)
+        return
+    if args.cpufit:
+        ks = [10**e for e in range(1, 7) if 10**e <= args.max_k]
+        cpufit_table(ks, args.batch_repeats)
         return
     if args.runtime is not None:
         runtime(args.runtime or ["DanWood"], args.repeats)

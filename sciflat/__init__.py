@@ -28,6 +28,8 @@ from ._transforms import (
 if typing.TYPE_CHECKING:
     from ._device.batch import (
         BatchResult as BatchResult,
+        MinpackQR as MinpackQR,
+        NormalEquations as NormalEquations,
         least_squares_batch as least_squares_batch,
     )
     from ._multistart import (
@@ -55,6 +57,8 @@ if typing.TYPE_CHECKING:
 
 _LAZY = {
     "BatchResult": "._device.batch",
+    "MinpackQR": "._device.batch",
+    "NormalEquations": "._device.batch",
     "least_squares_batch": "._device.batch",
     "fit": "._optax.fit",
     "least_squares": "._scipy.least_squares",

@@ -34,13 +34,82 @@ from .._fitting.uncertainty import (
     residual_variances,
 )
 from .._flatten import Restructure
-from .._solver import lm as _lm
+from .._solver import lm as _lm, normal as _normal
 from .._transforms import has_transforms
 from . import least_squares as dls
 
 
 _M = TypeVar("_M")
 _WHO = "least_squares_batch"
+
+
+@dataclasses.dataclass(frozen=True)
+class NormalEquations:
+    """The batch's default algorithm: MINPACK's Levenberg–Marquardt (its trust
+    region, Moré's Levenberg parameter, its scaling and tests), each trial's step
+    solved from the damped normal equations `(J̃ᵀJ̃ + λ I) a = J̃ᵀ f` of the
+    column-scaled Jacobian `J̃` by a Cholesky written over the batch (no LAPACK call
+    per fit), in the fits' dtype.
+
+    The normal equations square the Jacobian's condition number: on a turn where a
+    fit's `J̃ᵀJ̃` has a Cholesky pivot under about 1e4 eps of its diagonal, that fit
+    takes MINPACK's step from a QR and an SVD instead ([`sciflat.MinpackQR`][]), and
+    the covariance at the end always comes from an SVD of the Jacobian. The same
+    minimum as MINPACK to the digits the data determine; the last bits and, rarely,
+    the number of evaluations differ from `least_squares(method="device")`.
+
+    !!! Example
+
+        ```python
+        batch = sciflat.least_squares_batch(
+            residuals, model, batch_args=(ys,), algorithm=sciflat.NormalEquations())
+        ```
+    """
+
+
+@dataclasses.dataclass(frozen=True)
+class MinpackQR:
+    """MINPACK's Levenberg–Marquardt with every trial's step from a QR and an SVD of
+    the scaled Jacobian (LAPACK, one call per fit and turn), as
+    `least_squares(method="device")` computes it: fit `i` of the batch then equals
+    that single fit. Slower than [`sciflat.NormalEquations`][] for small fits.
+
+    !!! Example
+
+        ```python
+        batch = sciflat.least_squares_batch(
+            residuals, model, batch_args=(ys,), algorithm=sciflat.MinpackQR())
+        ```
+    """
+
+
+Algorithm = NormalEquations | MinpackQR
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pool:
+    """What a pool's compiled program is built for (`Programs`' key, with the
+    residuals, `re`, the data's shapes): the number of shared leaves of `args`, of
+    devices, and the algorithm."""
+
+    n_shared: int
+    n_devices: int
+    algorithm: Algorithm
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fits:
+    """Every fit of a batch: the residuals, `re`, the shared `args`, the stacked
+    `data` (leading axis K), the starts `x0s`, the number of residuals `m`, and
+    whether the model has transforms."""
+
+    residuals: Callable
+    re: Restructure
+    args: tuple
+    data: tuple
+    x0s: np.ndarray
+    m: int
+    transforms: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,15 +286,20 @@ def least_squares_batch(
     shard: bool | None = None,
     chunk_size: int | None = None,
     progress: bool = True,
+    algorithm: Algorithm = NormalEquations(),
     **kwargs: Any,
 ) -> BatchResult[_M]:
     """K least-squares fits of one structure as one compiled program.
 
-    Each fit is the device fit of [`sciflat.least_squares`][] (`method="device"`:
-    MINPACK's Levenberg–Marquardt, its scaling and stopping rules), and the K fits
-    run together under `jax.vmap` in a pool of slots, each stopping on its own (its
-    slot then takes the next fit), with exactly the turns of its single fit: fit `i`
-    of a batch equals the single fit of its start and data. The fits differ in their
+    Each fit is MINPACK's Levenberg–Marquardt (its scaling and stopping rules, as
+    the device fit of [`sciflat.least_squares`][], `method="device"`), and the K
+    fits run together under `jax.vmap` in a pool of slots, each stopping on its own
+    (its slot then takes the next fit), with exactly the turns it takes alone: fit
+    `i` of a batch equals the fit of its start and data run alone with the same
+    `algorithm`. By default each trial's step comes from the normal equations
+    ([`sciflat.NormalEquations`][]: elementwise over the batch, no LAPACK call per
+    fit); with [`sciflat.MinpackQR`][] from a QR and an SVD as the single device fit
+    (fit `i` then equals `least_squares(method="device")`). The fits differ in their
     start (`starts`), their data (`batch_args`, stacked along a leading axis), or
     both; `args` is shared. On several devices the slots are sharded over all of
     them.
@@ -267,6 +341,8 @@ def least_squares_batch(
         4 MB of Jacobians (722 slots for 121 residuals and 5 parameters), which keeps
         each turn in cache. A progress bar counts the finished fits when K is larger.
     - `progress`: show that bar.
+    - `algorithm`: [`sciflat.NormalEquations`][] (default) or
+        [`sciflat.MinpackQR`][].
     - `**kwargs`: `ftol`, `xtol`, `gtol`, `max_nfev`, `x_scale`, as in
         `least_squares`.
 
@@ -291,11 +367,16 @@ def least_squares_batch(
         chunk_size = _auto_chunk(m, len(re))
     size = k if chunk_size is None else max(1, min(int(chunk_size), k))
     size = -(-size // len(devices)) * len(devices)  # a multiple of the device count
+    if not isinstance(algorithm, NormalEquations | MinpackQR):
+        raise TypeError(
+            f"`{_WHO}`: `algorithm` must be `sciflat.NormalEquations()` or "
+            f"`sciflat.MinpackQR()`, got {algorithm!r}."
+        )
     transforms = has_transforms(inputs.model)
-    fits = (residuals, re, args, data, x0s, m, transforms)
+    fits = _Fits(residuals, re, args, data, x0s, m, transforms)
     bar = progress_bar(enabled=progress and k > size, desc=_WHO, unit="fit", total=k)
     try:
-        host, how = _run_pool(fits, opts, mode, size, devices, bar)
+        host, how = _run_pool(fits, opts, mode, size, devices, algorithm, bar)
     finally:
         bar.close()
     return _result(host, re, x0s, max_nfev, f"{how}; batch of {k}", transforms)
@@ -309,14 +390,17 @@ def least_squares_batch(
 _TURNS = 8
 
 
-def _run_pool(fits: tuple, opts, mode, size: int, devices, bar) -> tuple[dict, str]:
+def _run_pool(
+    fits: _Fits, opts, mode, size: int, devices, algorithm: Algorithm, bar
+) -> tuple[dict, str]:
     """Every fit through a pool of `size` slots: the compiled program runs `_TURNS`
     turns of each slot's fit; the host then collects the fits that finished and puts
     the next ones in their slots. Each fit's turns are those of `_lm.solve` (its state
     never leaves the device between visits), so it equals the single fit."""
-    residuals, re, args, data, x0s, m, transforms = fits
+    args, data, x0s, m = fits.args, fits.data, fits.x0s, fits.m
     k, n = x0s.shape
-    n_shared = len(split_args(args)[0])
+    shared = split_args(args, to_device=False)[0]
+    pool = _Pool(len(shared), len(devices), algorithm)
     states: Any = _lm.empty_states(size, n, m)
     slot = np.where(np.arange(size) < k, np.arange(size), -1)  # the fit in each slot
     fresh = slot >= 0
@@ -337,14 +421,13 @@ def _run_pool(fits: tuple, opts, mode, size: int, devices, bar) -> tuple[dict, s
         part = _member(data, rows)
         placed = _place((states, fresh, x0s[rows], part), devices)
         turns = np.int32(_TURNS if queued < k else np.iinfo(np.int32).max)
-        leaves = split_args((*args, *placed[3]), to_device=False)[0]
+        leaves = [*shared, *split_args(placed[3], to_device=False)[0]]
         if fn is None:
             programs = Programs(
-                _build, residuals, re, (*args, *placed[3]), to_device=False
+                _build, fits.residuals, fits.re, (*args, *placed[3]), to_device=False
             )
-            kind = f"pool:{n_shared}:{len(devices)}"
             fn, used = programs.first_working(
-                kind, choose_modes(mode, True), *placed[:3], turns, opts
+                pool, choose_modes(mode, True), *placed[:3], turns, opts
             )
             how = f"Jacobian: {used} mode"
         states, out = fn(*placed[:3], turns, opts, leaves)
@@ -353,7 +436,7 @@ def _run_pool(fits: tuple, opts, mode, size: int, devices, bar) -> tuple[dict, s
         finished = slot[done]
         for key, value in got.items():
             host[key][finished] = np.asarray(value)[done]
-        recompute = done[~np.asarray(got["full"])[done] | transforms]
+        recompute = done[~np.asarray(got["full"])[done] | fits.transforms]
         if len(recompute):
             jac = np.asarray(out["jac"])
             jacs.update({int(slot[i]): jac[i] for i in recompute})
@@ -444,12 +527,13 @@ def _place(tree, devices):
     return jax.tree.map(lambda a: jax.device_put(a, sharding), tree)
 
 
-def _build(kind, residuals, re, rebuild, mode: str) -> Callable:
+def _build(pool: _Pool, residuals, re, rebuild, mode: str) -> Callable:
     """`(states, fresh, x0s, turns, options, leaves) -> (states, outputs)`: up to
     `turns` turns of each slot's fit in a pool (a `fresh` slot first starting from
     its `x0`), each turn one `vmap` of a trial over the slots and the batched leaves
     (those after the first `n_shared`): `_lm.advance`."""
-    n_shared, n_devices = map(int, kind.split(":")[1:])
+    n_shared, n_devices = pool.n_shared, pool.n_devices
+    normal = isinstance(pool.algorithm, NormalEquations)
     r = dls.residual_fn(residuals, re, rebuild)
     # Several CPU devices run their loops at once on XLA's thread pool, where
     # jaxlib's batched LAPACK calls can wait on each other for ever: one matrix at a
@@ -467,6 +551,25 @@ def _build(kind, residuals, re, rebuild, mode: str) -> Callable:
         both = dls.with_jacobian(lambda x: r(x, [*shared, *batched]), mode)
         return _lm.trial(both, state, opts, serial)
 
+    def accept(state, step, opts, shared, batched):
+        both = dls.with_jacobian(lambda x: r(x, [*shared, *batched]), mode)
+        return _lm.accept(both, state, step, opts)
+
+    def normal_steps(states, one_by_one: bool):
+        """Every slot's step from its normal equations; MINPACK's (QR and SVD) for
+        the slots where they are ill-conditioned, computed only on a turn that has
+        one."""
+        steps, ill = _normal.steps(states)
+        ill = ill & (states.info == 0)
+        minpack = functools.partial(_lm.minpack_step, serial=serial or one_by_one)
+
+        def fallback(steps):
+            theirs = jax.vmap(minpack)(states)
+            pick = lambda a, b: jnp.where(ill.reshape(-1, *[1] * (a.ndim - 1)), a, b)
+            return jax.tree.map(pick, theirs, steps)
+
+        return jax.lax.cond(jnp.any(ill), fallback, lambda s: s, steps)
+
     def many(states, fresh, x0s, turns, opts, shared, batched):
         first = lambda x: r(x, [*shared, *_member(batched, 0)])
         one_by_one = cpu and _calls_lapack(first, x0s[0])
@@ -474,9 +577,37 @@ def _build(kind, residuals, re, rebuild, mode: str) -> Callable:
         states = slots(begin, (0, 0, 0, None, None, 0))(
             states, fresh, x0s, opts, shared, batched
         )
-        trials = lambda st: slots(step, (0, None, None, 0))(st, opts, shared, batched)
+        if normal:
+
+            def trials(st):
+                steps = normal_steps(st, one_by_one)
+                return slots(accept, (0, 0, None, None, 0))(
+                    st, steps, opts, shared, batched
+                )
+
+        else:
+            trials = lambda st: slots(step, (0, None, None, 0))(
+                st, opts, shared, batched
+            )
         states = _lm.advance(trials, states, turns)
-        return states, slots(lambda st: dls.outputs(st, serial), (0,))(states)
+        if not normal:
+            return states, slots(lambda st: dls.outputs(st, serial), (0,))(states)
+        # The covariance from the normal equations, where well conditioned (else
+        # `full` is False and the host computes it from the Jacobian's SVD): an SVD
+        # of every slot at every visit cost more than the fits' turns.
+        cost = 0.5 * states.fnorm**2
+        cov, full = _normal.covariance(states.jac, cost)
+        out = dict(
+            x=states.x,
+            cost=cost,
+            nfev=states.nfev,
+            njev=states.njev,
+            info=states.info,
+            cov=cov,
+            full=full,
+            jac=states.jac,
+        )
+        return states, out
 
     def fit(states, fresh, x0s, turns, opts, leaves):
         shared, batched = leaves[:n_shared], leaves[n_shared:]

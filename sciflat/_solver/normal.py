@@ -1,0 +1,243 @@
+"""MINPACK's trial step from the damped normal equations, written for many fits at once.
+
+`lm.py` finds each trial's Levenberg parameter and step from a QR and an SVD of the
+scaled Jacobian: LAPACK calls on tiny matrices, one per fit per turn, which cost a
+batch of small fits far more than the arithmetic they do. This computes the same
+step (in exact arithmetic) from the normal equations of the scaled Jacobian
+`J̃ = J D⁻¹`: `(J̃ᵀJ̃ + par I) a = J̃ᵀ f`, each solved by a Cholesky factorisation
+whose loops over the `n` parameters are unrolled at trace time, so that every
+operation is elementwise on one number of each fit: under `jax.vmap` the fits of a
+batch are the vector lanes, and no LAPACK call is left in the loop.
+
+Moré's Newton iteration on `||a(par)|| = delta` is kept as `lm._lmpar` has it: its
+derivative needs `||L⁻¹ a||`, one more triangular solve. The normal equations square
+the Jacobian's condition number; where a pivot of the Cholesky of `J̃ᵀJ̃` falls below
+`TOO_SMALL` times eps (its dtype's) of its diagonal, the step is `ill` and the
+caller takes MINPACK's step (`lm.minpack_step`) for that fit's turn instead.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from . import lm as _lm
+
+
+# A Cholesky pivot of `J̃ᵀJ̃` (whose diagonal is at most 1: `diag` holds the largest
+# column norms so far) below this many eps of its diagonal element marks the trial
+# `ill`: its condition number is then near 1 / eps, where the normal equations can no
+# longer be trusted to give the step to a few digits. NIST's StRD problems in
+# float64: see `benchmarks/bench_many_fits.py --fallback`.
+TOO_SMALL = 1e4
+
+
+def _sum(terms: list):
+    """The terms' sum, one after another: a fixed order, the same bits for any
+    number of lanes (the same elementwise program over more or fewer lanes)."""
+    total = terms[0]
+    for t in terms[1:]:
+        total = total + t
+    return total
+
+
+def gram(jac, f, diag):
+    """The scaled normal equations of every lane: `h[i][j]` (`j <= i`) of `J̃ᵀJ̃` and
+    `b[i]` of `J̃ᵀ f`, for `J̃ = jac / diag`, each an array over the lanes. `jac`
+    `(m, n, K)`, `f` `(m, K)`, `diag` `(n, K)`: the lanes last, so that every
+    operation below is one contiguous vector operation (a loop over the residuals
+    carrying the sums was 3x slower). Above `lm._IN_ORDER` residuals, XLA's dot."""
+    m, n = jac.shape[:2]
+    js = jac / diag[None]
+    if m > _lm._IN_ORDER:
+        # XLA's dot (a program of any `m` to compile, not m · n² operations).
+        both = jnp.einsum("rik,rjk->ijk", js, jnp.concatenate([js, f[:, None]], 1))
+        h = [[both[i, j] for j in range(i + 1)] for i in range(n)]
+        return h, [both[i, n] for i in range(n)]
+    cols = [[js[r, i] for r in range(m)] for i in range(n)]
+    fs = [f[r] for r in range(m)]
+    h = [
+        [
+            _sum([a * b for a, b in zip(cols[i], cols[j], strict=True)])
+            for j in range(i + 1)
+        ]
+        for i in range(n)
+    ]
+    b = [_sum([a * b for a, b in zip(cols[i], fs, strict=True)]) for i in range(n)]
+    return h, b
+
+
+def cholesky(h: list, par):
+    """`h + par I = L Lᵀ` (lower triangles as nested lists of arrays over the
+    lanes), the loops over the `n` columns unrolled: `L` and the pivots before their
+    square roots. A pivot that is not positive is replaced by the smallest normal
+    number (the caller tests the pivots)."""
+    n = len(h)
+    tiny = jnp.finfo(h[0][0].dtype).tiny
+    low: list[list] = [[None] * (i + 1) for i in range(n)]
+    pivots = []
+    for j in range(n):
+        d = _minus(h[j][j] + par, [low[j][k] * low[j][k] for k in range(j)])
+        pivots.append(d)
+        root = jnp.sqrt(jnp.where(d > tiny, d, tiny))
+        low[j][j] = root
+        for i in range(j + 1, n):
+            s = _minus(h[i][j], [low[i][k] * low[j][k] for k in range(j)])
+            low[i][j] = s / root
+    return low, pivots
+
+
+def _minus(x, terms: list):
+    """`x` minus each term in turn."""
+    for t in terms:
+        x = x - t
+    return x
+
+
+def forward(low: list, b: list) -> list:
+    """`L⁻¹ b`."""
+    y: list = []
+    for i in range(len(b)):
+        y.append(_minus(b[i], [low[i][k] * y[k] for k in range(i)]) / low[i][i])
+    return y
+
+
+def backward(low: list, y: list) -> list:
+    """`L⁻ᵀ y`."""
+    n = len(y)
+    x: list = [None] * n
+    for i in reversed(range(n)):
+        x[i] = _minus(y[i], [low[k][i] * x[k] for k in range(i + 1, n)]) / low[i][i]
+    return x
+
+
+def _norm2(v: list):
+    return _sum([x * x for x in v])
+
+
+def lmpar(h: list, b: list, delta, par):
+    """`lm._lmpar` on the normal equations of every lane: `(par, a, ill)`, the
+    scaled step `D p = -a` (`a` a list of arrays over the lanes). `ill`: the
+    Cholesky of `J̃ᵀJ̃` has a pivot under `TOO_SMALL` eps of its diagonal (then `par`
+    and `a` are not to be used)."""
+    n = len(b)
+    dtype = h[0][0].dtype
+    eps = jnp.finfo(dtype).eps
+    dwarf = jnp.finfo(dtype).tiny
+    low, pivots = cholesky(h, 0.0)
+    ill = jnp.zeros(delta.shape, bool)
+    for j in range(n):
+        ill = ill | (pivots[j] <= TOO_SMALL * eps * h[j][j])
+    a_gn = backward(low, forward(low, b))
+    dxnorm = jnp.sqrt(_norm2(a_gn))
+    fp = dxnorm - delta
+    gauss_newton = fp <= 0.1 * delta
+    dx_safe = jnp.where(dxnorm > 0, dxnorm, 1.0)
+    curvature = _norm2(forward(low, a_gn)) / dx_safe**2
+    parl = jnp.where(
+        curvature > 0, fp / delta / jnp.where(curvature > 0, curvature, 1.0), 0.0
+    )
+    gnorm = jnp.sqrt(_norm2(b))
+    paru = gnorm / delta
+    paru = jnp.where(paru == 0, dwarf / jnp.minimum(delta, 0.1), paru)
+    par = jnp.minimum(jnp.maximum(par, parl), paru)
+    par = jnp.where(par == 0, gnorm / dx_safe, par)
+
+    def turn(carry):
+        par, parl, paru, fp, a, done, it = carry
+        par_try = jnp.where(par == 0, jnp.maximum(dwarf, 0.001 * paru), par)
+        low, _ = cholesky(h, par_try)
+        a_try = backward(low, forward(low, b))
+        dx = jnp.sqrt(_norm2(a_try))
+        fp_try = dx - delta
+        stop = (
+            (jnp.abs(fp_try) <= 0.1 * delta)
+            | ((parl == 0) & (fp_try <= fp) & (fp < 0))
+            | (it == 9)
+        )
+        dx_s = jnp.where(dx > 0, dx, 1.0)
+        curv = _norm2(forward(low, a_try)) / dx_s**2
+        parc = fp_try / delta / jnp.where(curv > 0, curv, 1.0)
+        parl_new = jnp.where(fp_try > 0, jnp.maximum(parl, par_try), parl)
+        paru_new = jnp.where(fp_try < 0, jnp.minimum(paru, par_try), paru)
+        par_next = jnp.where(stop, par_try, jnp.maximum(parl_new, par_try + parc))
+        keep = lambda old, new: jnp.where(done, old, new)
+        return (
+            keep(par, par_next),
+            keep(parl, parl_new),
+            keep(paru, paru_new),
+            keep(fp, fp_try),
+            [keep(x, y) for x, y in zip(a, a_try, strict=True)],
+            done | stop,
+            it + 1,
+        )
+
+    # A lane whose step is `ill` (or Gauss–Newton) takes no turn of its own; each
+    # lane's own turns are those it takes alone (its counter stops with it).
+    done = gauss_newton | ill
+    it = jnp.zeros(delta.shape, jnp.int32)
+    init = (par, parl, paru, fp, a_gn, done, it)
+    par, _, _, _, a, _, _ = jax.lax.while_loop(lambda c: ~jnp.all(c[5]), turn, init)
+    par = jnp.where(gauss_newton, 0.0, par)
+    a = [jnp.where(gauss_newton, x, y) for x, y in zip(a_gn, a, strict=True)]
+    return par, a, ill
+
+
+def steps(states: _lm.State) -> tuple[_lm.Step, jax.Array]:
+    """Every slot's trial step (`states` with a leading axis over the slots) from
+    its normal equations, and where it is `ill` (there the caller takes
+    `lm.minpack_step`'s instead). The slots are the vector lanes: each array below
+    has them last."""
+    jac = jnp.moveaxis(states.jac, 0, -1)  # (m, n, K)
+    f, diag = states.f.T, states.diag.T
+    h, b = gram(jac, f, diag)
+    par, a, ill = lmpar(h, b, states.delta, states.par)
+    n = len(b)
+    # ||J̃ a||² = aᵀ J̃ᵀJ̃ a, from the lower triangle.
+    quad = [h[i][i] * a[i] * a[i] for i in range(n)] + [
+        2 * h[i][j] * a[i] * a[j] for i in range(n) for j in range(i)
+    ]
+    jnorm2 = _sum(quad)
+    jnorm = jnp.sqrt(jnp.where(jnorm2 > 0, jnorm2, 0.0))
+    dx = jnp.stack(a, axis=-1)
+    pnorm = jnp.sqrt(_norm2(a))
+    return _lm.Step(par=par, dx=dx, pnorm=pnorm, jnorm=jnorm), ill
+
+
+# The covariance from the normal equations only where every Cholesky pivot of the
+# column-scaled `J̃ᵀJ̃` is above this many eps of its diagonal: its relative error is
+# then below about 1e-8 (float64); elsewhere the caller computes it from an SVD of
+# the Jacobian.
+COV_TOO_SMALL = 1e8
+
+
+def covariance(jac, cost):
+    """Every slot's covariance `s² (JᵀJ)⁻¹` (`jac` `(K, m, n)`, `cost` `(K,)`), as
+    `lm`'s device fit computes it from an SVD, here from the Cholesky factor of the
+    column-scaled normal equations over the lanes; and `full`: whether every pivot
+    is above `COV_TOO_SMALL` eps of its diagonal (else the covariance is not to be
+    used: the caller computes it from the Jacobian)."""
+    k, m, n = jac.shape
+    jl = jnp.moveaxis(jac, 0, -1)
+    ones = jnp.ones((n, k), jac.dtype)
+    h, _ = gram(jl, jnp.zeros((m, k), jac.dtype), ones)
+    d = [jnp.sqrt(h[i][i]) for i in range(n)]
+    d = [jnp.where(x > 0, x, 1.0) for x in d]
+    hs = [[h[i][j] / (d[i] * d[j]) for j in range(i + 1)] for i in range(n)]
+    low, pivots = cholesky(hs, 0.0)
+    eps = jnp.finfo(jac.dtype).eps
+    full = jnp.ones((k,), bool)
+    for j in range(n):
+        full = full & (pivots[j] > COV_TOO_SMALL * eps * hs[j][j])
+    zero = jnp.zeros((k,), jac.dtype)
+    inverse = [
+        backward(low, forward(low, [zero + (i == j) for i in range(n)]))
+        for j in range(n)
+    ]  # columns of (J̃ᵀJ̃)⁻¹
+    s2 = 2.0 * cost / (m - n) if m > n else jnp.full((k,), jnp.nan, jac.dtype)
+    cov = jnp.stack(
+        [
+            jnp.stack([s2 * inverse[j][i] / (d[i] * d[j]) for j in range(n)], -1)
+            for i in range(n)
+        ],
+        -2,
+    )
+    return cov, full
