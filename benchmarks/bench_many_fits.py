@@ -557,23 +557,26 @@ def cpufit_table(ks: list[int], repeats: int) -> None:
                 variants[f"Cpufit float{bits}, 1 thread"] = lambda m=module, d=d, s=s: (
                     m.fit(d, None, m.ModelID.GAUSS_2D, s, 1e-4, 10)
                 )
-            gpufit_options = {"ftol": 1e-4, "xtol": 1e-4, "max_nfev": 11}
-            for label, algorithm, options in (
-                ("NormalEquations, defaults", sciflat.NormalEquations(), {}),
+            normal = sciflat.NormalEquations()
+            tol = {"ftol": 1e-4, "xtol": 1e-4, "max_nfev": 11}
+            for label, algorithm, dtype, options in (
+                ("NormalEquations, float64, defaults", normal, np.float64, {}),
+                ("NormalEquations, float64, tol 1e-4, 11 ev.", normal, np.float64, tol),
+                ("NormalEquations, float32, tol 1e-4, 11 ev.", normal, np.float32, tol),
                 (
-                    "NormalEquations, tol 1e-4, 11 ev.",
-                    sciflat.NormalEquations(),
-                    gpufit_options,
+                    "MinpackQR, float64, tol 1e-4, 11 ev.",
+                    sciflat.MinpackQR(),
+                    np.float64,
+                    tol,
                 ),
-                ("MinpackQR, tol 1e-4, 11 ev.", sciflat.MinpackQR(), gpufit_options),
             ):
                 variants[f"`least_squares_batch`, {label}"] = functools.partial(
                     sciflat.least_squares_batch,
                     gauss_2d,
-                    jnp.asarray(starts[0]),
-                    args=(xy,),
-                    batch_args=(data,),
-                    starts=starts,
+                    jnp.asarray(starts[0], dtype),
+                    args=(xy.astype(dtype),),
+                    batch_args=(data.astype(dtype),),
+                    starts=starts.astype(dtype),
                     progress=False,
                     algorithm=algorithm,
                     **options,

@@ -362,6 +362,74 @@ def test_the_program_computes_in_float64_only():
         assert float_dtypes_in_jaxpr(jaxpr) == {"float64"}
 
 
+def _decay(m, x, y):
+    return m["a"] * jnp.exp(-m["k"] * x) - y
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_device_fits_compute_in_the_dtype_of_p(dtype):
+    """The single device fit's and the batch's programs (both algorithms), traced for
+    a model in `dtype`: the dtype auditor finds no operation in another dtype."""
+    model = {"a": jnp.asarray(1.0, dtype), "k": jnp.asarray(0.5, dtype)}
+    x = np.linspace(0.0, 3.0, 12).astype(dtype)
+    y = (2.0 * np.exp(-0.7 * x)).astype(dtype)
+    _, re = sciflat.destructure(model)
+    assert dls.fit_dtype(model) == dtype
+    leaves, rebuild = sciflat._fitting.problem.split_args((x, y))
+    opts, _ = dls.options({}, 2, "test", dtype)
+    assert all(np.asarray(v).dtype == dtype for v in opts)
+    start = dls.packed_start(np.array([1.0, 0.5]), opts)
+    single = dls._build(dls.DeviceFit(5), _decay, re, rebuild, "forward")
+    sciflat.assert_dtypes(lambda s, a: single(s, a)["host"], start, leaves, grad=False)
+    from sciflat._device import batch as b
+
+    k = 4
+    states = sciflat._solver.lm.empty_states(k, 2, 12, dtype)
+    fresh, x0s = np.ones(k, bool), np.tile(np.array([1.0, 0.5], dtype), (k, 1))
+    shared, rebuild = sciflat._fitting.problem.split_args((x,))
+    ys = [np.tile(y, (k, 1))]
+    for algorithm in (sciflat.NormalEquations(), sciflat.MinpackQR()):
+        pool = b._Pool(1, 1, algorithm)
+        both = lambda leaves: (*rebuild(leaves[:1]), *leaves[1:])
+        fit = b._build(pool, _decay, re, both, "forward")
+        run = lambda x0s, ys, fit=fit: tuple(
+            jax.tree.leaves(fit(states, fresh, x0s, np.int32(8), opts, [*shared, *ys]))
+        )
+        sciflat.assert_dtypes(run, x0s, ys, grad=False)
+
+
+@pytest.mark.slow  # two batch programs in float32, ~10 s on 2 loaded cores
+def test_a_float32_batch_gives_float32_fits_near_float64():
+    """A float32 model: float32 fits (`p`, standard errors), MINPACK's minimum to
+    float32's digits, and float64 data is a clear error rather than a silent cast."""
+    rng = np.random.default_rng(0)
+    x = np.linspace(0.0, 3.0, 20)
+    ys = 2.0 * np.exp(-0.7 * x) + 0.01 * rng.standard_normal((6, 20))
+    model32 = {"a": jnp.float32(1.0), "k": jnp.float32(0.5)}
+    fit32 = sciflat.least_squares_batch(
+        _decay,
+        model32,
+        args=(x.astype(np.float32),),
+        batch_args=(ys.astype(np.float32),),
+        progress=False,
+    )
+    fit64 = sciflat.least_squares_batch(
+        _decay, {"a": 1.0, "k": 0.5}, args=(x,), batch_args=(ys,), progress=False
+    )
+    assert fit32.p.dtype == fit32.stderr_flat.dtype == np.float32
+    assert fit32.converged.all() and fit64.converged.all()
+    np.testing.assert_allclose(fit32.p, fit64.p, rtol=1e-4)
+    np.testing.assert_allclose(fit32.stderr_flat, fit64.stderr_flat, rtol=1e-2)
+    with pytest.raises(TypeError, match=r"float64.*float32 here"):
+        sciflat.least_squares_batch(
+            _decay,
+            model32,
+            args=(x,),
+            batch_args=(ys.astype(np.float32),),
+            progress=False,
+        )
+
+
 def test_lmpar_meets_the_radius_as_minpack_asks():
     """Moré's parameter: `||D p|| = delta` to 10% when the Gauss–Newton step is
     longer than the radius (else `par = 0` and the Gauss–Newton step)."""

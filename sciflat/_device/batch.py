@@ -51,12 +51,13 @@ class NormalEquations:
     column-scaled Jacobian `J̃` by a Cholesky written over the batch (no LAPACK call
     per fit), in the fits' dtype.
 
-    The normal equations square the Jacobian's condition number: on a turn where a
-    fit's `J̃ᵀJ̃` has a Cholesky pivot under about 1e4 eps of its diagonal, that fit
-    takes MINPACK's step from a QR and an SVD instead ([`sciflat.MinpackQR`][]), and
-    the covariance at the end always comes from an SVD of the Jacobian. The same
-    minimum as MINPACK to the digits the data determine; the last bits and, rarely,
-    the number of evaluations differ from `least_squares(method="device")`.
+    The normal equations square the Jacobian's condition number: a fit whose
+    `J̃ᵀJ̃` gets a Cholesky pivot under 1e4 eps of its diagonal (its dtype's eps) is
+    run again from its start with [`sciflat.MinpackQR`][] (its message says so). The
+    covariance comes from the same Cholesky where every pivot is above 1e8 eps (at
+    most 1e-3) of its diagonal, else from an SVD of the Jacobian. The same minimum as
+    MINPACK to the digits the data determine; the last bits and, rarely, the number
+    of evaluations differ from `least_squares(method="device")`.
 
     !!! Example
 
@@ -135,16 +136,16 @@ class BatchResult(Generic[_M]):
     - `unidentifiable`: per fit, the directions the data do not determine.
     """
 
-    p: npt.NDArray[np.float64]
-    stderr_flat: npt.NDArray[np.float64]
-    covariance: npt.NDArray[np.float64]
-    loss: npt.NDArray[np.float64]
+    p: npt.NDArray[np.floating]
+    stderr_flat: npt.NDArray[np.floating]
+    covariance: npt.NDArray[np.floating]
+    loss: npt.NDArray[np.floating]
     status: tuple[Status, ...]
     message: tuple[str, ...]
     n_evaluations: npt.NDArray[np.int64]
     n_steps: npt.NDArray[np.int64]
     n_data: int
-    starts: npt.NDArray[np.float64]
+    starts: npt.NDArray[np.floating]
     re: Restructure[_M] = dataclasses.field(repr=False)
     unidentifiable: tuple[tuple[str, ...], ...] = ()
     # How the host scaled the fits whose covariance it computed (rank-deficient, or
@@ -159,8 +160,11 @@ class BatchResult(Generic[_M]):
         if self.known_errors:
             raise ValueError("This batch's covariances are unscaled already.")
         s2 = residual_variances(
-            self.loss, self.n_data, len(self.re), self.unidentifiable
-        )
+            np.asarray(self.loss, np.float64),
+            self.n_data,
+            len(self.re),
+            self.unidentifiable,
+        ).astype(self.loss.dtype)
         cov = self.covariance / s2[:, None, None]
         scale = {i: KNOWN + DELTA * t.endswith(DELTA) for i, t in self.scale.items()}
         known = KNOWN + DELTA * has_transforms(self.re(jnp.asarray(self.p[0])))
@@ -357,8 +361,10 @@ def least_squares_batch(
         x0s = stacked_starts(starts, re, filter_spec, _WHO)
     data, k_data = _stack(batch_args)
     k = _batch_size(len(x0s), k_data)
-    x0s = np.broadcast_to(x0s, (k, len(re))).copy()
-    opts, max_nfev = dls.options(kwargs, len(re), _WHO)
+    # Every fit computes in `p`'s dtype (the model's floating leaves').
+    dtype = dls.fit_dtype(inputs.model)
+    x0s = np.broadcast_to(x0s, (k, len(re))).astype(dtype)
+    opts, max_nfev = dls.options(kwargs, len(re), _WHO, dtype)
     devices = jax.devices() if (shard is None or shard) else jax.devices()[:1]
     if shard and len(devices) == 1:
         devices = jax.devices()  # one device: nothing to split
@@ -377,9 +383,27 @@ def least_squares_batch(
     bar = progress_bar(enabled=progress and k > size, desc=_WHO, unit="fit", total=k)
     try:
         host, how = _run_pool(fits, opts, mode, size, devices, algorithm, bar)
+        redo = np.flatnonzero(host["info"] == _NEEDS_QR)
+        if len(redo):
+            # Fits whose normal equations became ill-conditioned: again from their
+            # start, every step MINPACK's (a QR and an SVD), in a pool of their own.
+            few = dataclasses.replace(fits, data=_member(data, redo), x0s=x0s[redo])
+            again, _ = _run_pool(
+                few, opts, mode, min(size, len(redo)), devices[:1], MinpackQR(), bar
+            )
+            for key in ("x", "cost", "nfev", "njev", "info", "cov", "full"):
+                host[key][redo] = again[key]
+            host["jac"].update({int(redo[j]): a for j, a in again["jac"].items()})
+            how += f"; {len(redo)} with MinpackQR (ill-conditioned normal equations)"
     finally:
         bar.close()
     return _result(host, re, x0s, max_nfev, f"{how}; batch of {k}", transforms)
+
+
+# `info` of a fit whose normal equations became ill-conditioned (a Cholesky pivot
+# under `_normal.TOO_SMALL` eps of its diagonal): it stops, and is run again with
+# `MinpackQR`.
+_NEEDS_QR = -3
 
 
 # Turns of the loop between two visits of the host, which takes the finished fits
@@ -401,17 +425,18 @@ def _run_pool(
     k, n = x0s.shape
     shared = split_args(args, to_device=False)[0]
     pool = _Pool(len(shared), len(devices), algorithm)
-    states: Any = _lm.empty_states(size, n, m)
+    dtype = x0s.dtype
+    states: Any = _lm.empty_states(size, n, m, dtype)
     slot = np.where(np.arange(size) < k, np.arange(size), -1)  # the fit in each slot
     fresh = slot >= 0
     queued = int(fresh.sum())  # fits started so far
     host = dict(
-        x=np.zeros((k, n)),
-        cost=np.zeros(k),
+        x=np.zeros((k, n), dtype),
+        cost=np.zeros(k, dtype),
         nfev=np.zeros(k, np.int64),
         njev=np.zeros(k, np.int64),
         info=np.zeros(k, np.int64),
-        cov=np.zeros((k, n, n)),
+        cov=np.zeros((k, n, n), dtype),
         full=np.zeros(k, bool),
     )
     jacs: dict[int, np.ndarray] = {}  # of the fits whose covariance the host computes
@@ -555,20 +580,13 @@ def _build(pool: _Pool, residuals, re, rebuild, mode: str) -> Callable:
         both = dls.with_jacobian(lambda x: r(x, [*shared, *batched]), mode)
         return _lm.accept(both, state, step, opts)
 
-    def normal_steps(states, one_by_one: bool):
-        """Every slot's step from its normal equations; MINPACK's (QR and SVD) for
-        the slots where they are ill-conditioned, computed only on a turn that has
-        one."""
+    def normal_steps(states):
+        """Every slot's step from its normal equations; a slot where they are
+        ill-conditioned stops (`_NEEDS_QR`: the host runs its fit again with
+        `MinpackQR`), so that this program holds no QR or SVD."""
         steps, ill = _normal.steps(states)
-        ill = ill & (states.info == 0)
-        minpack = functools.partial(_lm.minpack_step, serial=serial or one_by_one)
-
-        def fallback(steps):
-            theirs = jax.vmap(minpack)(states)
-            pick = lambda a, b: jnp.where(ill.reshape(-1, *[1] * (a.ndim - 1)), a, b)
-            return jax.tree.map(pick, theirs, steps)
-
-        return jax.lax.cond(jnp.any(ill), fallback, lambda s: s, steps)
+        info = jnp.where(ill & (states.info == 0), _NEEDS_QR, states.info)
+        return states._replace(info=info), steps
 
     def many(states, fresh, x0s, turns, opts, shared, batched):
         first = lambda x: r(x, [*shared, *_member(batched, 0)])
@@ -580,7 +598,7 @@ def _build(pool: _Pool, residuals, re, rebuild, mode: str) -> Callable:
         if normal:
 
             def trials(st):
-                steps = normal_steps(st, one_by_one)
+                st, steps = normal_steps(st)
                 return slots(accept, (0, 0, None, None, 0))(
                     st, steps, opts, shared, batched
                 )

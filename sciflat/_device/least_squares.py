@@ -8,16 +8,16 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from numpy.typing import DTypeLike
 
 from .._fitting.delta import for_values
 from .._fitting.gradients import Mode, choose_modes
 from .._fitting.inputs import Inputs
-from .._fitting.problem import residual_fn
+from .._fitting.problem import check_float64, residual_vector
 from .._fitting.programs import Programs
 from .._fitting.result import FitResult
 from .._fitting.uncertainty import (
     Uncertainty,
-    _rank_cutoff,
     from_jacobian,
     member_uncertainty,
 )
@@ -47,24 +47,64 @@ def check_options(kwargs: dict, who: str) -> None:
         )
 
 
-def options(kwargs: dict, n: int, who: str) -> tuple[_lm.Options, int]:
+def options(
+    kwargs: dict, n: int, who: str, dtype: DTypeLike = np.float64
+) -> tuple[_lm.Options, int]:
     """MINPACK's options from `kwargs` (sciflat's defaults) as the loop takes them,
-    and `max_nfev`."""
+    in `dtype`, and `max_nfev`."""
     check_options(kwargs, who)
     config = minpack_options(kwargs, n, who)
-    return lm_options(config, n), config.max_nfev
+    return lm_options(config, n, dtype), config.max_nfev
 
 
-def lm_options(options: Minpack, n: int) -> _lm.Options:
-    """`options` as float64 scalars and `diag` (zeros: from the Jacobian)."""
+def fit_dtype(model) -> np.dtype:
+    """The dtype a device fit computes in: `p`'s, the promoted dtype of the model's
+    floating leaves (float64 where there are none)."""
+    dtypes = [
+        jnp.result_type(x)
+        for x in jax.tree.leaves(model)
+        if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+    ]
+    return np.dtype(jnp.result_type(*dtypes) if dtypes else np.float64)
+
+
+# Below float64, no tolerance is tighter than this many eps of the fit's dtype
+# (sciflat's default of 1e-12 included): 1.2e-6 in float32.
+_TOL_EPS = 10
+
+
+def residual_fn(residuals, re, rebuild) -> Callable:
+    """`(x, leaves) -> residuals(re(x), *args)` as one vector in `x`'s dtype, or a
+    clear error."""
+
+    def r(x, leaves):
+        out = residual_vector(residuals(re(x), *rebuild(leaves)))
+        if x.dtype == np.float64:
+            check_float64(out, "The residuals")
+        elif out.dtype != x.dtype:
+            raise TypeError(
+                f"The residuals have dtype {out.dtype.name}; the device fit computes in "
+                f"`p`'s dtype, {x.dtype.name} here, so something in the residuals or "
+                "their data casts (data in float64?). Give the data in "
+                f"{x.dtype.name}, or find the cast with `sciflat.audit_dtypes`."
+            )
+        return out
+
+    return r
+
+
+def lm_options(options: Minpack, n: int, dtype: DTypeLike = np.float64) -> _lm.Options:
+    """`options` as scalars of the fit's `dtype` and `diag` (zeros: from the
+    Jacobian). Below float64, each tolerance is at least `_TOL_EPS` eps."""
     diag = np.zeros(n) if options.diag is None else options.diag
-    f64 = lambda v: np.asarray(v, np.float64)
+    floor = 0.0 if np.dtype(dtype) == np.float64 else _TOL_EPS * np.finfo(dtype).eps
+    tol = lambda v: np.asarray(max(v, floor), dtype)
     return _lm.Options(
-        f64(options.ftol),
-        f64(options.xtol),
-        f64(options.gtol),
-        f64(options.max_nfev),
-        f64(diag),
+        tol(options.ftol),
+        tol(options.xtol),
+        tol(options.gtol),
+        np.asarray(options.max_nfev, dtype),
+        np.asarray(diag, dtype),
     )
 
 
@@ -116,11 +156,11 @@ def _build(kind: DeviceFit, residuals, re, rebuild, mode: str) -> Callable:
     return fit
 
 
-# The start and the options of a single fit, as one float64 vector (`x0`, `ftol`,
-# `xtol`, `gtol`, `max_nfev`, `diag`), and what the host reads of the fit, as another:
-# one transfer each way, where each array of its own costs one (~5 µs each on the
-# CPU; the whole fit of a NIST problem is under 1 ms). Integers below 2**53 are
-# exact in float64.
+# The start and the options of a single fit, as one vector of the fit's dtype (`x0`,
+# `ftol`, `xtol`, `gtol`, `max_nfev`, `diag`), and what the host reads of the fit, as
+# another: one transfer each way, where each array of its own costs one (~5 µs each
+# on the CPU; the whole fit of a NIST problem is under 1 ms). Integers below 2**53
+# are exact in float64, below 2**24 in float32.
 _PACKED = (
     "cost",
     "nfev",
@@ -139,7 +179,8 @@ _SCALARS = 6
 
 
 def packed_start(x0: np.ndarray, opts: _lm.Options) -> np.ndarray:
-    return np.concatenate([x0, np.stack(opts[:4]), opts.diag])
+    dtype = np.asarray(opts.ftol).dtype
+    return np.concatenate([x0, np.stack(opts[:4]), opts.diag]).astype(dtype)
 
 
 def _unpack_start(start: jax.Array) -> tuple[jax.Array, _lm.Options]:
@@ -149,7 +190,8 @@ def _unpack_start(start: jax.Array) -> tuple[jax.Array, _lm.Options]:
 
 
 def _pack(out: dict) -> jax.Array:
-    return jnp.concatenate([jnp.ravel(out[k]).astype(jnp.float64) for k in _PACKED])
+    dtype = out["x"].dtype
+    return jnp.concatenate([jnp.ravel(out[k]).astype(dtype) for k in _PACKED])
 
 
 def _unpack(packed: np.ndarray, n: int, n_history: int) -> dict:
@@ -183,8 +225,8 @@ def outputs(state: _lm.State, serial: bool = False) -> dict:
     d = jnp.where(d > 0, d, 1.0)
     _, s, vt = (_lm.one_at_a_time(_lm.svd) if serial else _lm.svd)(jac / d)
     values = s**2
-    cutoff = _rank_cutoff((m, n)) ** 2 * jnp.max(values)
-    full = jnp.all(values > jnp.maximum(cutoff, np.finfo(np.float64).tiny))
+    cutoff = (max(m, n) * float(jnp.finfo(jac.dtype).eps)) ** 2 * jnp.max(values)
+    full = jnp.all(values > jnp.maximum(cutoff, jnp.finfo(jac.dtype).tiny))
     v = vt.T
     cost = 0.5 * state.fnorm**2
     s2 = 2.0 * cost / (m - n) if m > n else jnp.nan
@@ -229,7 +271,8 @@ def least_squares_on_device(inputs: Inputs, options: Minpack, mode: Mode) -> Fit
     n_history = min(options.max_nfev, _HISTORY_MAX) + 1
     kind = DeviceFit(history=n_history)
     # Forward mode first: the fit needs m >= n, where it is the cheaper one.
-    start = packed_start(inputs.start, lm_options(options, len(re)))
+    dtype = fit_dtype(inputs.model)
+    start = packed_start(inputs.start, lm_options(options, len(re), dtype))
     fn, used = programs.first_working(kind, choose_modes(mode, True), start)
     out = fn(start, programs.leaves)
     how = f"Jacobian: {used} mode"

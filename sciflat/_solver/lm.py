@@ -8,7 +8,7 @@ Levenberg parameter found by Moré's safeguarded Newton iteration on
 and the `ftol`, `xtol`, `gtol` tests with MINPACK's meanings. Where MINPACK factors
 the Jacobian by a pivoted QR and solves each trial by Givens rotations, this factors
 the scaled Jacobian once per trial by a QR and an SVD of its `R`: every trial
-parameter is then a diagonal solve, in float64.
+parameter is then a diagonal solve, in `p`'s dtype (MINPACK's eps is that dtype's).
 
 Each turn of the loop is one trial point: its residuals and Jacobian are evaluated
 together (one forward-mode pass), so the loop has no branch to take, and a trial of
@@ -26,11 +26,22 @@ from typing import Any, NamedTuple, cast
 import jax
 import jax.numpy as jnp
 import numpy as np
+from numpy.typing import DTypeLike
 
 
-_EPS = float(np.finfo(np.float64).eps)
-_DWARF = float(np.finfo(np.float64).tiny)
-_HUGE = float(np.finfo(np.float64).max)
+def _eps(x) -> float:
+    """MINPACK's machine precision, of `x`'s dtype (the fit computes in `p`'s)."""
+    return float(jnp.finfo(jnp.result_type(x)).eps)
+
+
+def _dwarf(x) -> float:
+    return float(jnp.finfo(jnp.result_type(x)).tiny)
+
+
+def _huge(x) -> float:
+    return float(jnp.finfo(jnp.result_type(x)).max)
+
+
 _IN_ORDER = 64  # `_sum` adds up to this many terms one after another
 _FACTOR = 100.0  # MINPACK's initial radius: factor * ||D x0||
 
@@ -40,7 +51,8 @@ NONFINITE_START = -2
 
 
 class Options(NamedTuple):
-    """The tolerances, as float64 scalars (dynamic: changing them compiles nothing)."""
+    """The tolerances, as scalars of the fit's dtype (dynamic: changing them compiles
+    nothing)."""
 
     ftol: Any
     xtol: Any
@@ -82,7 +94,8 @@ def _sum(x, axis: int = 0):
     product, so no add is contracted with one. (`jnp.minimum` does the same but
     made DanWood's single fit 1.2x slower; the `where` costs nothing measurable.)"""
     x = jnp.moveaxis(x, axis, 0)
-    x = jnp.where(x > _HUGE, _HUGE, x)
+    huge = _huge(x)
+    x = jnp.where(x > huge, huge, x)
     if x.shape[0] == 0:
         return jnp.zeros(x.shape[1:], x.dtype)
     if x.shape[0] <= _IN_ORDER:
@@ -175,7 +188,7 @@ def _lmpar(s, g, delta, par, m):
     the scaled Jacobian given by its singular values `s` and `g = Uᵀ f`. Returns
     `(par, a)`: the scaled step is `D p = -V a`."""
     n = s.shape[0]
-    cutoff = jnp.max(s) * _EPS * max(m, n)
+    cutoff = jnp.max(s) * _eps(s) * max(m, n)
     determined = s > cutoff
     s_safe = jnp.where(determined, s, 1.0)
     a_gn = jnp.where(determined, g / s_safe, 0.0)  # Gauss–Newton, rank-truncated
@@ -192,13 +205,13 @@ def _lmpar(s, g, delta, par, m):
     )
     gnorm = _norm(s * g)
     paru = gnorm / delta
-    paru = jnp.where(paru == 0, _DWARF / jnp.minimum(delta, 0.1), paru)
+    paru = jnp.where(paru == 0, _dwarf(s) / jnp.minimum(delta, 0.1), paru)
     par = jnp.minimum(jnp.maximum(par, parl), paru)
     par = jnp.where(par == 0, gnorm / dx_safe, par)
 
     def turn(carry):
         par, parl, paru, fp, a, done, it = carry
-        par_try = jnp.where(par == 0, jnp.maximum(_DWARF, 0.001 * paru), par)
+        par_try = jnp.where(par == 0, jnp.maximum(_dwarf(s), 0.001 * paru), par)
         a_try = s * g / (s * s + par_try)
         dx = _norm(a_try)
         fp_try = dx - delta
@@ -332,6 +345,7 @@ def accept(f_and_jac: Callable, state: State, step: Step, options: Options) -> S
     nfev = state.nfev + running.astype(jnp.int32)
     njev = state.njev + accept.astype(jnp.int32)
     # The tests, in MINPACK's order.
+    eps = _eps(state.x)
     ftol_ok = (
         (jnp.abs(actred) <= options.ftol)
         & (prered <= options.ftol)
@@ -345,9 +359,9 @@ def accept(f_and_jac: Callable, state: State, step: Step, options: Options) -> S
         nfev >= options.max_nfev,
         5,
         jnp.where(
-            (jnp.abs(actred) <= _EPS) & (prered <= _EPS) & (0.5 * ratio <= 1),
+            (jnp.abs(actred) <= eps) & (prered <= eps) & (0.5 * ratio <= 1),
             6,
-            jnp.where(delta <= _EPS * xnorm, 7, jnp.where(state.gnorm <= _EPS, 8, 0)),
+            jnp.where(delta <= eps * xnorm, 7, jnp.where(state.gnorm <= eps, 8, 0)),
         ),
     )
     info = jnp.where(info == 0, late, info)
@@ -408,11 +422,11 @@ def advance(trials: Callable[[State], State], states: State, turns) -> State:
     )[0]
 
 
-def empty_states(k: int, n: int, m: int) -> State:
+def empty_states(k: int, n: int, m: int, dtype: DTypeLike = np.float64) -> State:
     """`k` slots holding no fit (zeros, NumPy: `jax.jit` copies them at the call),
     each marked finished (`info` is `NONFINITE_START`), so that a loop carries them
     unchanged."""
-    f64 = lambda *shape: cast(jax.Array, np.zeros((k, *shape)))
+    f64 = lambda *shape: cast(jax.Array, np.zeros((k, *shape), dtype))
     i32 = lambda: cast(jax.Array, np.zeros(k, np.int32))
     return State(
         x=f64(n),

@@ -5,15 +5,15 @@ scaled Jacobian: LAPACK calls on tiny matrices, one per fit per turn, which cost
 batch of small fits far more than the arithmetic they do. This computes the same
 step (in exact arithmetic) from the normal equations of the scaled Jacobian
 `J̃ = J D⁻¹`: `(J̃ᵀJ̃ + par I) a = J̃ᵀ f`, each solved by a Cholesky factorisation
-whose loops over the `n` parameters are unrolled at trace time, so that every
-operation is elementwise on one number of each fit: under `jax.vmap` the fits of a
-batch are the vector lanes, and no LAPACK call is left in the loop.
+whose loops over the `n` parameters are unrolled at trace time, every entry an array
+over the fits (the slots of a batch, last: contiguous vector lanes), so that no
+LAPACK call is left in the loop.
 
 Moré's Newton iteration on `||a(par)|| = delta` is kept as `lm._lmpar` has it: its
 derivative needs `||L⁻¹ a||`, one more triangular solve. The normal equations square
 the Jacobian's condition number; where a pivot of the Cholesky of `J̃ᵀJ̃` falls below
-`TOO_SMALL` times eps (its dtype's) of its diagonal, the step is `ill` and the
-caller takes MINPACK's step (`lm.minpack_step`) for that fit's turn instead.
+`TOO_SMALL` times eps (its dtype's) of its diagonal, the step is `ill` and the caller
+runs that fit with MINPACK's steps (`lm.minpack_step`) instead.
 """
 
 import jax
@@ -28,15 +28,23 @@ from . import lm as _lm
 # longer be trusted to give the step to a few digits. NIST's StRD problems in
 # float64: see `benchmarks/bench_many_fits.py --fallback`.
 TOO_SMALL = 1e4
+_EINSUM = False
 
 
-def _sum(terms: list):
-    """The terms' sum, one after another: a fixed order, the same bits for any
-    number of lanes (the same elementwise program over more or fewer lanes)."""
-    total = terms[0]
+def _sum(terms: list) -> jax.Array:
+    """The terms' sum, one after another (a fixed order). Each term passes through
+    a `where` first, so that no product is contracted with the add after it into an
+    FMA in one program and not in another (as `lm._sum`): the same bits for any
+    number of lanes."""
+    total = _uncontracted(terms[0])
     for t in terms[1:]:
-        total = total + t
+        total = total + _uncontracted(t)
     return total
+
+
+def _uncontracted(t) -> jax.Array:
+    huge = _lm._huge(t)
+    return jnp.where(t > huge, huge, t)
 
 
 def gram(jac, f, diag):
@@ -47,7 +55,7 @@ def gram(jac, f, diag):
     carrying the sums was 3x slower). Above `lm._IN_ORDER` residuals, XLA's dot."""
     m, n = jac.shape[:2]
     js = jac / diag[None]
-    if m > _lm._IN_ORDER:
+    if m > _lm._IN_ORDER or _EINSUM:
         # XLA's dot (a program of any `m` to compile, not m · n² operations).
         both = jnp.einsum("rik,rjk->ijk", js, jnp.concatenate([js, f[:, None]], 1))
         h = [[both[i, j] for j in range(i + 1)] for i in range(n)]
@@ -86,9 +94,9 @@ def cholesky(h: list, par):
 
 
 def _minus(x, terms: list):
-    """`x` minus each term in turn."""
+    """`x` minus each term in turn (each through a `where`, as in `_sum`)."""
     for t in terms:
-        x = x - t
+        x = x - _uncontracted(t)
     return x
 
 
@@ -203,9 +211,9 @@ def steps(states: _lm.State) -> tuple[_lm.Step, jax.Array]:
 
 
 # The covariance from the normal equations only where every Cholesky pivot of the
-# column-scaled `J̃ᵀJ̃` is above this many eps of its diagonal: its relative error is
-# then below about 1e-8 (float64); elsewhere the caller computes it from an SVD of
-# the Jacobian.
+# column-scaled `J̃ᵀJ̃` is above this many eps of its diagonal (at most 1e-3 of it):
+# its relative error is then below about 1e-8 in float64, 1e-4 in float32;
+# elsewhere the caller computes it from an SVD of the Jacobian.
 COV_TOO_SMALL = 1e8
 
 
@@ -216,9 +224,9 @@ def covariance(jac, cost):
     is above `COV_TOO_SMALL` eps of its diagonal (else the covariance is not to be
     used: the caller computes it from the Jacobian)."""
     k, m, n = jac.shape
-    jl = jnp.moveaxis(jac, 0, -1)
-    ones = jnp.ones((n, k), jac.dtype)
-    h, _ = gram(jl, jnp.zeros((m, k), jac.dtype), ones)
+    # XLA's dot (once per visit of the host: a small program to compile).
+    hh = jnp.moveaxis(jnp.einsum("kri,krj->kij", jac, jac), 0, -1)
+    h = [[hh[i, j] for j in range(i + 1)] for i in range(n)]
     d = [jnp.sqrt(h[i][i]) for i in range(n)]
     d = [jnp.where(x > 0, x, 1.0) for x in d]
     hs = [[h[i][j] / (d[i] * d[j]) for j in range(i + 1)] for i in range(n)]
@@ -226,7 +234,7 @@ def covariance(jac, cost):
     eps = jnp.finfo(jac.dtype).eps
     full = jnp.ones((k,), bool)
     for j in range(n):
-        full = full & (pivots[j] > COV_TOO_SMALL * eps * hs[j][j])
+        full = full & (pivots[j] > min(COV_TOO_SMALL * eps, 1e-3) * hs[j][j])
     zero = jnp.zeros((k,), jac.dtype)
     inverse = [
         backward(low, forward(low, [zero + (i == j) for i in range(n)]))
