@@ -30,6 +30,12 @@ Five tables (docs/many_fits.md):
 
     python benchmarks/bench_many_fits.py --runtime --repeats 300
 
+5. `--floor`: the least one turn of a batch costs a slot with MINPACK's algorithm
+   (its residuals and Jacobian, LAPACK's QR and SVD, each timed alone at the pool's
+   size), from which the best ratio against lmfit's loop follows.
+
+    python benchmarks/bench_many_fits.py --floor --repeats 20
+
 6. `--cpufit [--max-k K]`: Gpufit's own benchmark (GAUSS_2D, 5 × 5 pixels): Cpufit,
    built here from `../shared/anchors/gpufit/` (float32 and float64, one thread), and
    `least_squares_batch` on the same data and starts, K = 10 ... `--max-k`,
@@ -37,11 +43,10 @@ Five tables (docs/many_fits.md):
 
     python benchmarks/bench_many_fits.py --cpufit --max-k 100000
 
-5. `--floor`: the least one turn of a batch costs a slot with MINPACK's algorithm
-   (its residuals and Jacobian, LAPACK's QR and SVD, each timed alone at the pool's
-   size), from which the best ratio against lmfit's loop follows.
+7. `--nist-batch`: NIST's problems from both starts through the batch's default
+   algorithm: the digits, and which fits were run again with `MinpackQR`.
 
-    python benchmarks/bench_many_fits.py --floor --repeats 20
+    python benchmarks/bench_many_fits.py --nist-batch
 
 Each figure is a median over `--repeats` (the batch: `--batch-repeats`) runs in one
 process; on a shared machine the ratios move by tens of percent: say so with them.
@@ -614,6 +619,33 @@ def cpufit_table(ks: list[int], repeats: int) -> None:
                 )
 
 
+def nist_batch() -> None:
+    """Each NIST problem from each start as a batch of one with the default
+    algorithm (`NormalEquations`): the certified digits reached, and whether the fit
+    was run again with `MinpackQR` (its normal equations ill-conditioned)."""
+    print(
+        "| problem | start | value digits | stderr digits | evaluations | steps |\n"
+        "|---|---:|---:|---:|---:|---|"
+    )
+    for p in nist.problems():
+        for s in (1, 2):
+            batch = sciflat.least_squares_batch(
+                p.residuals,
+                p.start(1),
+                args=(p.x, p.y),
+                starts=np.array([p.starts[s - 1]]),
+                progress=False,
+            )
+            values = min(map(nist.digits, batch.p[0], p.certified))
+            errors = min(map(nist.digits, batch.stderr_flat[0], p.certified_stderr))
+            steps = "MinpackQR (rerun)" if "MinpackQR" in batch.message[0] else "normal"
+            print(
+                f"| {p.name} | {s} | {values:.1f} | {errors:.1f} "
+                f"| {batch.n_evaluations[0]} | {steps} |",
+                flush=True,
+            )
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--single", action="store_true")
@@ -625,6 +657,11 @@ def main(argv=None) -> None:
         "--cpufit",
         action="store_true",
         help="Gpufit's benchmark: the batch against Cpufit built from ../shared",
+    )
+    parser.add_argument(
+        "--nist-batch",
+        action="store_true",
+        help="NIST from both starts through the batch: digits, QR reruns",
     )
     parser.add_argument(
         "--max-k", type=int, default=1_000_000, help="the largest K of --cpufit"
@@ -662,6 +699,9 @@ def main(argv=None) -> None:
         return
     if args.floor:
         floor(args.cases, args.repeats)
+        return
+    if args.nist_batch:
+        nist_batch()
         return
     if args.cpufit:
         ks = [10**e for e in range(1, 7) if 10**e <= args.max_k]

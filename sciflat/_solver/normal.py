@@ -26,7 +26,7 @@ from . import lm as _lm
 # column norms so far) below this many eps of its diagonal element marks the trial
 # `ill`: its condition number is then near 1 / eps, where the normal equations can no
 # longer be trusted to give the step to a few digits. NIST's StRD problems in
-# float64: see `benchmarks/bench_many_fits.py --fallback`.
+# float64: `benchmarks/bench_many_fits.py --nist-batch` (docs/devdocs/many_fits.md).
 TOO_SMALL = 1e4
 _EINSUM = False
 
