@@ -20,7 +20,8 @@ import numpy.typing as npt
 from jaxtyping import Array, Float, Scalar
 
 from .formulas import Formulas
-from .tables import PRIORS, Tables
+from .priors import neg_log_prior, prior_offset, prior_residuals
+from .tables import Tables
 
 
 class ReactionODE(eqx.Module):
@@ -40,33 +41,6 @@ class ReactionODE(eqx.Module):
         out = self.rhs(t, y, self.constants)
         zero = jnp.zeros((), y.dtype)
         return jnp.stack([zero + e for e in out])
-
-
-def _uniform(v, a, b):
-    return jnp.where((v >= a) & (v <= b), jnp.log(b - a), jnp.inf)
-
-
-def _normal(v, a, b):
-    return 0.5 * jnp.log(2 * jnp.pi * b**2) + 0.5 * ((v - a) / b) ** 2
-
-
-def _laplace(v, a, b):
-    return jnp.log(2 * b) + jnp.abs(v - a) / b
-
-
-# −log density of each PEtab v1 prior type at `v` (the linear value, or the value on
-# the parameter's scale for the `parameterScale` ones), with its parameters `a;b`.
-_NEG_LOG = {
-    "uniform": _uniform,
-    "normal": _normal,
-    "laplace": _laplace,
-    "logNormal": lambda v, a, b: jnp.log(v) + _normal(jnp.log(v), a, b),
-    "logLaplace": lambda v, a, b: jnp.log(v) + _laplace(jnp.log(v), a, b),
-    "parameterScaleUniform": _uniform,
-    "parameterScaleNormal": _normal,
-    "parameterScaleLaplace": _laplace,
-}
-_SQUARES = ("normal", "parameterScaleNormal")  # priors that are residuals
 
 
 def unscale(x: Any, scale: str) -> Any:
@@ -270,43 +244,15 @@ class Objective:
     def nll(self, model: dict[str, Any]) -> Scalar:
         return self.data_nll(model) + self.neg_log_prior(model)
 
+    def _values(self, model: dict[str, Any]) -> tuple[Array, Array]:
+        """The estimated parameters on their scales and linear."""
+        self.check_model(model)
+        scaled = jnp.stack([jnp.asarray(model[k]) for k in self.tables.parameters.ids])
+        return scaled, self.linear(model)
+
     def neg_log_prior(self, model: dict[str, Any]) -> Scalar:
         """−log of the objective priors' densities (PEtab v1; 0 without priors)."""
-        self.check_model(model)
-        par = self.tables.parameters
-        pri = par.priors
-        scaled = jnp.stack([jnp.asarray(model[k]) for k in par.ids])
-        total = jnp.zeros((), scaled.dtype)
-        if not len(pri.index):
-            return total
-        linear = self.linear(model)
-        for kind in np.unique(pri.kind):
-            name, chosen = PRIORS[kind], pri.kind == kind
-            on_scale = scaled if name.startswith("parameterScale") else linear
-            v = on_scale[pri.index[chosen]]
-            total = total + jnp.sum(_NEG_LOG[name](v, pri.a[chosen], pri.b[chosen]))
-        return total
-
-    def prior_residuals(self, model: dict[str, Any]) -> Array:
-        """(v − mean) / σ of each normal prior: half their sum of squares is the
-        priors' −log density, up to `prior_offset`."""
-        par = self.tables.parameters
-        pri = par.priors
-        others = sorted({PRIORS[k] for k in pri.kind} - set(_SQUARES))
-        if others:
-            raise ValueError(
-                f"`residuals` exist for normal priors only; this problem has {others} "
-                "priors: fit `problem.nll` with `sciflat.minimize`."
-            )
-        scaled = jnp.stack([jnp.asarray(model[k]) for k in par.ids])
-        linear = self.linear(model)
-        out = []
-        for kind in np.unique(pri.kind):
-            name, chosen = PRIORS[kind], pri.kind == kind
-            on_scale = scaled if name.startswith("parameterScale") else linear
-            v = on_scale[pri.index[chosen]]
-            out.append((v - pri.a[chosen]) / pri.b[chosen])
-        return jnp.concatenate(out) if out else jnp.zeros(0, scaled.dtype)
+        return neg_log_prior(self.tables.parameters.priors, *self._values(model))
 
     def data_nll(self, model: dict[str, Any]) -> Scalar:
         terms = self.terms(model)
@@ -329,20 +275,19 @@ class Objective:
         sigma = terms["sigma"]
         fit = (yt - ht) / sigma
         noise = jnp.sqrt(2 * jnp.log(sigma) + self.tables.log_sigma_shift)
-        prior = self.prior_residuals(model).astype(fit.dtype)
+        priors = self.tables.parameters.priors
+        prior = prior_residuals(priors, *self._values(model)).astype(fit.dtype)
         out = jnp.concatenate([fit, noise, prior])
         return jnp.where(terms["ok"], out, jnp.nan)
 
     def residual_offset(self) -> float:
         m = self.tables.n_data
         _, _, jac = self.transformed(jnp.ones(m))
-        pri = self.tables.parameters.priors
-        b = pri.b[np.isin([PRIORS[k] for k in pri.kind], _SQUARES)]
         return float(
             0.5 * m * math.log(2 * math.pi)
             + np.sum(jac)
             - 0.5 * m * self.tables.log_sigma_shift
-            + np.sum(0.5 * np.log(2 * np.pi * b**2))
+            + prior_offset(self.tables.parameters.priors)
         )
 
     @ft.partial(jax.jit, static_argnums=(0, 2, 3))
