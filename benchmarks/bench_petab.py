@@ -35,6 +35,9 @@ def main(repeats: int = 20, starts: int = 3) -> None:
         "gradient (nll, forward mode)": jax.jit(
             jax.jacfwd(lambda x: problem.nll(re(x)))
         ),
+        "gradient (nll, reverse mode: jax.grad)": jax.jit(
+            jax.grad(lambda x: problem.nll(re(x)))
+        ),
         "forward sensitivities (Jacobian)": jax.jit(
             jax.jacfwd(lambda x: problem.residuals(re(x)))
         ),
