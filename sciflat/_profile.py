@@ -1,8 +1,8 @@
 """`profile`: profile-likelihood intervals of a finished fit.
 
 For a parameter θ_j: fix it on a path away from the fit, refit the others, and read
-the interval where the profile statistic rises past a threshold. Every path (two per
-parameter) walks at once, each step one stage: a stage's refits run as one
+the interval where the profile statistic rises past a threshold. Every path (one per
+parameter, side and level) walks at once, each step one stage: a stage's refits run as one
 `least_squares_batch` (residuals without bounds), else one by one with SciPy on the
 same reduced problem on the flat vector (bounds, or a negative log-likelihood). A
 path steps by Newton on √statistic (exact for a linear model, whose √Δχ² is linear in
@@ -688,6 +688,8 @@ def profile(
         )
     engine = _Engine(fn, re, args, leaves, rebuild, vector, lb, ub, use_batch, kwargs)
     steps = _first_steps(result, x_hat, re)
+    # One path per parameter, side and level: the levels' crossings are sought at
+    # once (a wider batch, half the stages of one path crossing them in turn).
     paths = [
         _Path(
             j,
@@ -695,12 +697,13 @@ def profile(
             float(x_hat[j]),
             steps[j],
             float(ub[j] - x_hat[j]) if side > 0 else float(x_hat[j] - lb[j]),
-            thresholds,
+            [threshold],
             max_steps,
             rtol,
         )
         for j in indices
         for side in (-1, 1)
+        for threshold in thresholds
     ]
     for path in paths:
         path.start(x_hat, 0.0)
@@ -725,7 +728,15 @@ def profile(
 
     to_values = _constrained_rows(re, result.model)
     profiles = tuple(
-        _profile_of(j, [p for p in paths if p.j == j], names, to_values, x_hat, levels)
+        _profile_of(
+            j,
+            [p for p in paths if p.j == j],
+            names,
+            to_values,
+            x_hat,
+            levels,
+            thresholds,
+        )
         for j in indices
     )
     method = "one least_squares_batch per stage" if use_batch else "SciPy, one by one"
@@ -781,7 +792,7 @@ def _constrained_rows(re: Restructure, model: Any) -> Callable:
     return lambda xs: np.asarray(f(jnp.asarray(xs, jnp.float64)), np.float64)
 
 
-def _profile_of(j, paths, names, to_values, x_hat, levels) -> Profile:
+def _profile_of(j, paths, names, to_values, x_hat, levels, thresholds) -> Profile:
     """The profile of parameter `j` from its two paths, in its constrained values."""
     pts = [(x, s) for p in paths for x, s in zip(p.xs, p.stats, strict=True)]
     xs = np.stack([x for x, _ in pts])
@@ -789,9 +800,11 @@ def _profile_of(j, paths, names, to_values, x_hat, levels) -> Profile:
     # The ends of every interval, each on the path's own line through the fit.
     ends, opens = [], []
     for t in range(len(levels)):
-        for p in paths:
-            crossed = t < len(p.crossings)
-            h = p.crossings[t] if crossed else max(p.hs)
+        for side in (-1, 1):
+            p = next(p for p in paths if p.side == side and thresholds[t] in p.targets)
+            k = p.targets.index(thresholds[t])
+            crossed = k < len(p.crossings)
+            h = p.crossings[k] if crossed else max(p.hs)
             x = x_hat.copy()
             x[j] = p.x0 + p.side * h
             ends.append(x)
@@ -816,11 +829,18 @@ def _profile_of(j, paths, names, to_values, x_hat, levels) -> Profile:
                 float(hi),
                 bool(lo_open),
                 bool(hi_open),
-                paths[0].targets[t],
+                thresholds[t],
             )
         )
     message = "; ".join(
-        f"{'lower' if p.side < 0 else 'upper'} side: {p.reason}" for p in paths
+        f"{'lower' if p.side < 0 else 'upper'} side"
+        + (
+            f" ({_pct(levels[thresholds.index(p.targets[0])])})"
+            if len(levels) > 1
+            else ""
+        )
+        + f": {p.reason}"
+        for p in paths
     )
     return Profile(
         names[j],
