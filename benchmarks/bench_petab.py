@@ -9,6 +9,7 @@ starts drawn in the bounds (where the model is less stiff or more).
 
     python benchmarks/bench_petab.py
     python benchmarks/bench_petab.py --repeats 50 --starts 4
+    python benchmarks/bench_petab.py --plain   # and without the solves' custom JVP
 """
 
 import argparse
@@ -27,7 +28,7 @@ YAML = sciflat.petab_benchmark("Boehm_JProteomeRes2014")
 AMICI_MS = {"simulation (nll)": 5.0, "forward sensitivities (Jacobian)": 50.0}
 
 
-def main(repeats: int = 20, starts: int = 3) -> None:
+def main(repeats: int = 20, starts: int = 3, plain: bool = False) -> None:
     problem = sciflat.petab_problem(YAML)
     p, re = sciflat.destructure(problem.nominal, dtype=jnp.float64)
     variants = {
@@ -42,6 +43,21 @@ def main(repeats: int = 20, starts: int = 3) -> None:
             jax.jacfwd(lambda x: problem.residuals(re(x)))
         ),
     }
+    if plain:
+        # The same problem with the solves' plain `diffrax.ForwardMode` derivative,
+        # without the custom JVP that carries the forward sensitivities (and gives
+        # reverse mode): what that rule costs in forward mode.
+        other = sciflat.petab_problem(YAML)
+        objective = other._objective
+        objective.solve_with_sensitivities = lambda linear: objective.solve_all(
+            objective.ext_of(linear)
+        )
+        variants["gradient (nll, forward mode), plain solve"] = jax.jit(
+            jax.jacfwd(lambda x: other.nll(re(x)))
+        )
+        variants["forward sensitivities (Jacobian), plain solve"] = jax.jit(
+            jax.jacfwd(lambda x: other.residuals(re(x)))
+        )
     points = {"published fit": p}
     for i, start in enumerate(problem.sample_starts(starts, seed=0)):
         points[f"start {i}"] = sciflat.destructure(start, dtype=jnp.float64)[0]
@@ -76,5 +92,10 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--starts", type=int, default=3)
+    parser.add_argument(
+        "--plain",
+        action="store_true",
+        help="also time the derivatives without the custom JVP of the solves",
+    )
     args = parser.parse_args()
-    main(args.repeats, args.starts)
+    main(args.repeats, args.starts, args.plain)
