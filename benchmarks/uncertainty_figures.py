@@ -50,8 +50,9 @@ def wald_and_profile() -> None:
         curve = prof[name]
         se = float(fit.stderr[name])
         v = np.linspace(curve.values.min(), curve.values.max(), 200)
-        ax.plot(curve.values, curve.statistic, "o-", ms=3, label="profile")
-        ax.plot(v, ((v - curve.value) / se) ** 2, "--", label="Wald (quadratic)")
+        ax.plot(curve.values, curve.statistic, "o", ms=3, color="C0", label="refits")
+        ax.plot(*curve._smooth(), color="C0", label="profile")
+        ax.plot(v, ((v - curve.value) / se) ** 2, "--", color="C1", label="Wald")
         for it in curve.intervals:
             ax.axhline(it.threshold, color="gray", lw=0.6)
             ax.text(v[0], it.threshold, f" {it.level:.1%}", va="bottom", fontsize=8)

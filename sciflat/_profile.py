@@ -13,6 +13,7 @@ below a threshold ends there: that side is open, flagged, never an exception.
 """
 
 import dataclasses
+import itertools
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -102,13 +103,28 @@ class Profile:
             "`levels=` to `sciflat.profile`."
         )
 
+    def _smooth(self, k: int = 16) -> tuple[np.ndarray, np.ndarray]:
+        """The curve between the refits, for the eye: the signed √statistic (linear
+        for a linear model) interpolated monotonically (PCHIP), then squared."""
+        from scipy.interpolate import PchipInterpolator
+
+        v = self.values
+        if len(v) < 3:
+            return v, self.statistic
+        signed = np.sign(v - self.value) * np.sqrt(np.maximum(self.statistic, 0.0))
+        # `k` points between each two refits: the curve also on a log axis.
+        grid = [np.linspace(a, b, k, endpoint=False) for a, b in itertools.pairwise(v)]
+        grid = np.concatenate([*grid, v[-1:]])
+        return grid, PchipInterpolator(v, signed)(grid) ** 2
+
     def plot(self, ax: Any = None) -> Any:
         """The profile (statistic against value) with its thresholds and intervals;
         returns the matplotlib axes."""
         plt = _pyplot()
         if ax is None:
             ax = plt.subplots(figsize=(4, 3))[1]
-        ax.plot(self.values, self.statistic, "o-", ms=3, color="C0")
+        ax.plot(self.values, self.statistic, "o", ms=3, color="C0", label="refits")
+        ax.plot(*self._smooth(), color="C0", lw=1)
         for i, it in enumerate(self.intervals):
             color = f"C{i + 1}"
             ax.axhline(it.threshold, ls="--", lw=0.8, color=color)
