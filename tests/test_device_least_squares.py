@@ -298,6 +298,29 @@ def test_a_nonfinite_trial_step_is_shrunk_not_a_stop():
         assert float(fit.model["b"]) == pytest.approx(0.01, rel=1e-10)
 
 
+@pytest.mark.slow  # two batch programs (normal equations, then MinpackQR): ~8 s
+def test_a_batch_reruns_ill_conditioned_fits_with_minpack_qr():
+    """`y = (a + b) x`: `J̃ᵀJ̃` is singular, its Cholesky has a zero pivot, so the
+    default algorithm hands the fits to MINPACK's steps (QR and SVD), which find the
+    determined `a + b` as the SciPy path does and name the undetermined direction."""
+    x = np.linspace(0.0, 1.0, 9)
+    ys = 3.0 * x + 0.01 * np.sin(7 * x + np.arange(3)[:, None])
+    residuals = lambda m, x, y: (m["a"] + m["b"]) * x - y
+    model = {"a": 1.0, "b": 0.5}
+    batch = sciflat.least_squares_batch(
+        residuals, model, args=(x,), batch_args=(ys,), progress=False
+    )
+    assert "1 with MinpackQR" not in batch.message[0]
+    assert "3 with MinpackQR (ill-conditioned normal equations)" in batch.message[0]
+    for i in range(3):
+        lm = sciflat.least_squares(residuals, model, args=(x, ys[i]), method="lm")
+        assert batch.status[i] == "converged"
+        assert batch.p[i].sum() == pytest.approx(
+            float(lm.model["a"] + lm.model["b"]), rel=1e-12
+        )
+        assert batch.unidentifiable[i] == lm.uncertainty.unidentifiable
+
+
 @pytest.mark.slow  # compiles the whole fit of a new model: 2-4 s
 def test_a_rank_deficient_fit_names_what_the_data_do_not_determine():
     """`y = (a + b) x`: only `a + b` is determined. The device fit computes the
