@@ -59,6 +59,18 @@ def test_update_meets_the_secant_condition_and_stays_spd(update, method, seed, a
         np.testing.assert_allclose(H1, textbook + rho * jnp.outer(s, s), rtol=1e-10)
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_one_parameter_update_is_the_secant_itself(update, method):
+    # With one parameter the secant condition H₊ y = s fixes H₊ = s / y, and every
+    # member of the family (SSBroyden's σ^(1/(1-n)) included) must give it.
+    H, g = jnp.array([[0.7]]), jnp.array([1.3])
+    s = -0.5 * (H @ g)
+    y = 3.0 * s
+    for first in (True, False):
+        H1 = update(H, s, y, g, jnp.asarray(0.5), method, jnp.asarray(first))
+        np.testing.assert_allclose(H1, (s / y)[:, None], rtol=1e-14)
+
+
 def steps_one_by_one(fn, p, method, n, args=()):
     """The iterates p₀, p₁, ... of `quasi_newton`, one call per step (one compilation):
     the inverse Hessian carried from each call to the next by `state=`."""

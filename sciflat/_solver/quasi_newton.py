@@ -89,7 +89,9 @@ def _ssbroyden_scaling(a, b, h, first, n):
     theta = jnp.maximum(theta_minus, jnp.minimum(theta_plus, (1 - b) / b))
     theta = jnp.where(ok, theta, 0)
     sigma = 1 + a * theta
-    sigma_n = sigma ** (1 / (1 - n))
+    # With one parameter every member of the family is the secant s / y (a = 0, so
+    # σ = 1): σ^(1/(1-n)) has no exponent there, and 1 is its value in the limit.
+    sigma_n = sigma ** (1 / (1 - n)) if n > 1 else jnp.ones_like(sigma)
     rho_k = jnp.minimum(1, 1 / b)
     later = jnp.where(
         theta <= 0,
