@@ -119,7 +119,9 @@ class Profile:
 
     def plot(self, ax: Any = None) -> Any:
         """The profile (statistic against value) with its thresholds and intervals;
-        returns the matplotlib axes."""
+        returns the matplotlib axes. The refits are the points; the curve between
+        them is interpolated for the eye (PCHIP on the signed √statistic), not
+        refitted."""
         plt = _pyplot()
         if ax is None:
             ax = plt.subplots(figsize=(4, 3))[1]
