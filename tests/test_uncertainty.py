@@ -69,6 +69,7 @@ def test_known_errors_equal_curve_fits_absolute_sigma(fitted):
         known.with_known_errors()
 
 
+@pytest.mark.slow  # 5.5 s: compiles the device fit and the batch's pool
 def test_known_errors_through_a_transform_the_device_and_a_batch(fitted):
     # Through `Positive` the covariance is the constrained values' (delta method):
     # the same numbers as the plain fit.
