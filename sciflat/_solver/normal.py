@@ -191,9 +191,9 @@ def lmpar(h: list, b: list, delta, par):
 
 def steps(states: _lm.State) -> tuple[_lm.Step, jax.Array]:
     """Every slot's trial step (`states` with a leading axis over the slots) from
-    its normal equations, and where it is `ill` (there the caller takes
-    `lm.minpack_step`'s instead). The slots are the vector lanes: each array below
-    has them last."""
+    its normal equations, and where it is `ill` (the batch then stops that fit and
+    runs it again with MINPACK's steps, `lm.minpack_step`). The slots are the
+    vector lanes: each array below has them last."""
     jac = jnp.moveaxis(states.jac, 0, -1)  # (m, n, K)
     f, diag = states.f.T, states.diag.T
     h, b = gram(jac, f, diag)
