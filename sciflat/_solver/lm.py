@@ -183,6 +183,22 @@ def one_at_a_time(fn: Callable) -> Callable:
     return wrapped
 
 
+def more_turn(par_try, fp_try, curv, parl, paru, delta, stop):
+    """The next Levenberg parameter and its bounds after a trial `par_try` whose step
+    misses the radius by `fp_try` (MINPACK's `lmpar`, after Moré): Newton's
+    correction from the step's curvature `curv`, kept within the bracket."""
+    parc = fp_try / delta / jnp.where(curv > 0, curv, 1.0)
+    parl_new = jnp.where(fp_try > 0, jnp.maximum(parl, par_try), parl)
+    paru_new = jnp.where(fp_try < 0, jnp.minimum(paru, par_try), paru)
+    par_next = jnp.where(stop, par_try, jnp.maximum(parl_new, par_try + parc))
+    return par_next, parl_new, paru_new
+
+
+def kept(done, old, new):
+    """`new`, except where `done`: a finished member of a batch stays as it was."""
+    return jax.tree.map(lambda o, n: jnp.where(done, o, n), old, new)
+
+
 def _lmpar(s, g, delta, par, m):
     """Moré's Levenberg parameter for the radius `delta` (MINPACK's `lmpar`), with
     the scaled Jacobian given by its singular values `s` and `g = Uᵀ f`. Returns
@@ -222,17 +238,9 @@ def _lmpar(s, g, delta, par, m):
         )
         dx_s = jnp.where(dx > 0, dx, 1.0)
         curv = _sum(a_try**2 / (s * s + par_try)) / dx_s**2
-        parc = fp_try / delta / jnp.where(curv > 0, curv, 1.0)
-        parl_new = jnp.where(fp_try > 0, jnp.maximum(parl, par_try), parl)
-        paru_new = jnp.where(fp_try < 0, jnp.minimum(paru, par_try), paru)
-        par_next = jnp.where(stop, par_try, jnp.maximum(parl_new, par_try + parc))
-        keep = lambda old, new: jnp.where(done, old, new)
+        new = more_turn(par_try, fp_try, curv, parl, paru, delta, stop)
         return (
-            keep(par, par_next),
-            keep(parl, parl_new),
-            keep(paru, paru_new),
-            keep(fp, fp_try),
-            keep(a, a_try),
+            *kept(done, (par, parl, paru, fp, a), (*new, fp_try, a_try)),
             done | stop,
             it + 1,
         )

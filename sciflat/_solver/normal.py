@@ -163,17 +163,9 @@ def lmpar(h: list, b: list, delta, par):
         )
         dx_s = jnp.where(dx > 0, dx, 1.0)
         curv = _norm2(forward(low, a_try)) / dx_s**2
-        parc = fp_try / delta / jnp.where(curv > 0, curv, 1.0)
-        parl_new = jnp.where(fp_try > 0, jnp.maximum(parl, par_try), parl)
-        paru_new = jnp.where(fp_try < 0, jnp.minimum(paru, par_try), paru)
-        par_next = jnp.where(stop, par_try, jnp.maximum(parl_new, par_try + parc))
-        keep = lambda old, new: jnp.where(done, old, new)
+        new = _lm.more_turn(par_try, fp_try, curv, parl, paru, delta, stop)
         return (
-            keep(par, par_next),
-            keep(parl, parl_new),
-            keep(paru, paru_new),
-            keep(fp, fp_try),
-            [keep(x, y) for x, y in zip(a, a_try, strict=True)],
+            *_lm.kept(done, (par, parl, paru, fp, a), (*new, fp_try, a_try)),
             done | stop,
             it + 1,
         )
