@@ -183,15 +183,24 @@ def one_at_a_time(fn: Callable) -> Callable:
     return wrapped
 
 
-def more_turn(par_try, fp_try, curv, parl, paru, delta, stop):
-    """The next Levenberg parameter and its bounds after a trial `par_try` whose step
-    misses the radius by `fp_try` (MINPACK's `lmpar`, after Moré): Newton's
-    correction from the step's curvature `curv`, kept within the bracket."""
+def more_turn(par_try, dx, curv_sum, fp, parl, paru, delta, it):
+    """One turn of Moré's iteration (MINPACK's `lmpar`) after a trial `par_try` whose
+    step has the scaled norm `dx`: whether to stop, and the next Levenberg parameter,
+    its bracket and the step's miss of the radius. Newton's correction comes from the
+    step's curvature, `curv_sum / dx²`."""
+    fp_try = dx - delta
+    stop = (
+        (jnp.abs(fp_try) <= 0.1 * delta)
+        | ((parl == 0) & (fp_try <= fp) & (fp < 0))
+        | (it == 9)
+    )
+    dx_s = jnp.where(dx > 0, dx, 1.0)
+    curv = curv_sum / dx_s**2
     parc = fp_try / delta / jnp.where(curv > 0, curv, 1.0)
     parl_new = jnp.where(fp_try > 0, jnp.maximum(parl, par_try), parl)
     paru_new = jnp.where(fp_try < 0, jnp.minimum(paru, par_try), paru)
     par_next = jnp.where(stop, par_try, jnp.maximum(parl_new, par_try + parc))
-    return par_next, parl_new, paru_new
+    return stop, (par_next, parl_new, paru_new, fp_try)
 
 
 def kept(done, old, new):
@@ -229,18 +238,12 @@ def _lmpar(s, g, delta, par, m):
         par, parl, paru, fp, a, done, it = carry
         par_try = jnp.where(par == 0, jnp.maximum(_dwarf(s), 0.001 * paru), par)
         a_try = s * g / (s * s + par_try)
-        dx = _norm(a_try)
-        fp_try = dx - delta
-        stop = (
-            (jnp.abs(fp_try) <= 0.1 * delta)
-            | ((parl == 0) & (fp_try <= fp) & (fp < 0))
-            | (it == 9)
+        curv_sum = _sum(a_try**2 / (s * s + par_try))
+        stop, new = more_turn(
+            par_try, _norm(a_try), curv_sum, fp, parl, paru, delta, it
         )
-        dx_s = jnp.where(dx > 0, dx, 1.0)
-        curv = _sum(a_try**2 / (s * s + par_try)) / dx_s**2
-        new = more_turn(par_try, fp_try, curv, parl, paru, delta, stop)
         return (
-            *kept(done, (par, parl, paru, fp, a), (*new, fp_try, a_try)),
+            *kept(done, (par, parl, paru, fp, a), (*new, a_try)),
             done | stop,
             it + 1,
         )

@@ -154,18 +154,10 @@ def lmpar(h: list, b: list, delta, par):
         par_try = jnp.where(par == 0, jnp.maximum(dwarf, 0.001 * paru), par)
         low, _ = cholesky(h, par_try)
         a_try = backward(low, forward(low, b))
-        dx = jnp.sqrt(_norm2(a_try))
-        fp_try = dx - delta
-        stop = (
-            (jnp.abs(fp_try) <= 0.1 * delta)
-            | ((parl == 0) & (fp_try <= fp) & (fp < 0))
-            | (it == 9)
-        )
-        dx_s = jnp.where(dx > 0, dx, 1.0)
-        curv = _norm2(forward(low, a_try)) / dx_s**2
-        new = _lm.more_turn(par_try, fp_try, curv, parl, paru, delta, stop)
+        dx, curv_sum = jnp.sqrt(_norm2(a_try)), _norm2(forward(low, a_try))
+        stop, new = _lm.more_turn(par_try, dx, curv_sum, fp, parl, paru, delta, it)
         return (
-            *_lm.kept(done, (par, parl, paru, fp, a), (*new, fp_try, a_try)),
+            *_lm.kept(done, (par, parl, paru, fp, a), (*new, a_try)),
             done | stop,
             it + 1,
         )
