@@ -615,17 +615,7 @@ def _build(pool: _Pool, residuals, re, rebuild, mode: str) -> Callable:
         # of every slot at every visit cost more than the fits' turns.
         cost = 0.5 * states.fnorm**2
         cov, full = _normal.covariance(states.jac, cost)
-        out = dict(
-            x=states.x,
-            cost=cost,
-            nfev=states.nfev,
-            njev=states.njev,
-            info=states.info,
-            cov=cov,
-            full=full,
-            jac=states.jac,
-        )
-        return states, out
+        return states, dls.finished(states, cost, cov, full)
 
     def fit(states, fresh, x0s, turns, opts, leaves):
         shared, batched = leaves[:n_shared], leaves[n_shared:]

@@ -231,6 +231,11 @@ def outputs(state: _lm.State, serial: bool = False) -> dict:
     cost = 0.5 * state.fnorm**2
     s2 = 2.0 * cost / (m - n) if m > n else jnp.nan
     cov = s2 * (v / values) @ v.T / jnp.outer(d, d)
+    return finished(state, cost, cov, full)
+
+
+def finished(state: _lm.State, cost, cov, full) -> dict:
+    """The outputs of a finished fit (or of every fit of a pool, stacked)."""
     return dict(
         x=state.x,
         cost=cost,
@@ -239,7 +244,7 @@ def outputs(state: _lm.State, serial: bool = False) -> dict:
         info=state.info,
         cov=cov,
         full=full,
-        jac=jac,
+        jac=state.jac,
     )
 
 
