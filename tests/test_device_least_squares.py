@@ -453,6 +453,40 @@ def test_a_float32_batch_gives_float32_fits_near_float64():
         )
 
 
+@pytest.mark.slow  # a single fit and a batch compiled in float32: seconds
+def test_float32_device_fits_run_with_jax_64_bit_mode_off(x64_off):
+    """JAX's default (64-bit mode off, as on most GPUs): a float32 model's device fit
+    and batch run, give float32 fits, and equal the same float32 fits made with the
+    mode on; the SciPy methods, which need float64, still say how to turn it on."""
+    rng = np.random.default_rng(1)
+    x = np.linspace(0.0, 3.0, 20, dtype=np.float32)
+    ys = (2.0 * np.exp(-0.7 * x) + 0.01 * rng.standard_normal((3, 20))).astype(
+        np.float32
+    )
+    model = {"a": jnp.float32(1.0), "k": jnp.float32(0.5)}
+
+    def both():
+        single = sciflat.least_squares(
+            _decay, model, args=(x, ys[0]), method="device", progress=False
+        )
+        batch = sciflat.least_squares_batch(
+            _decay, model, args=(x,), batch_args=(ys,), progress=False
+        )
+        return single, batch
+
+    single, batch = both()
+    with jax.enable_x64(True):
+        single64, batch64 = both()  # the same float32 fits, the mode on
+    assert single.p.dtype == batch.p.dtype == batch[0].p.dtype == np.float32
+    assert batch.converged.all() and single.status == "converged"
+    np.testing.assert_allclose(single.p, single64.p, rtol=1e-6)
+    np.testing.assert_allclose(batch.p, batch64.p, rtol=1e-6)
+    np.testing.assert_allclose(batch.stderr_flat, batch64.stderr_flat, rtol=1e-4)
+    np.testing.assert_allclose(batch.p[0], single.p, rtol=1e-5)
+    with pytest.raises(TypeError, match="jax_enable_x64"):
+        sciflat.least_squares(_decay, model, args=(x, ys[0]), progress=False)
+
+
 def test_lmpar_meets_the_radius_as_minpack_asks():
     """Moré's parameter: `||D p|| = delta` to 10% when the Gauss–Newton step is
     longer than the radius (else `par = 0` and the Gauss–Newton step)."""

@@ -354,7 +354,7 @@ def least_squares_batch(
 
     A [`sciflat.BatchResult`][].
     """
-    inputs = checked_inputs(residuals, model, args, None, filter_spec, _WHO)
+    inputs = checked_inputs(residuals, model, args, None, filter_spec, _WHO, True)
     residuals, re, args = inputs.fn, inputs.re, inputs.args
     x0s = inputs.start[None]
     if starts is not None:

@@ -178,7 +178,9 @@ def _model_shaped(re: Restructure[Any], flat: npt.NDArray[np.float64]) -> Any:
     """`flat` (one value per entry of `p`) in the model's structure; leaves not in `p`
     are None."""
     # A transform node holds its value's numbers in `raw`: show them in its place.
-    model = raw_to_values(re(jnp.asarray(flat, jnp.float64)))
+    # float64 where JAX's 64-bit mode holds it (else a device fit's float32).
+    wide = jax.dtypes.canonicalize_dtype(np.float64)
+    model = raw_to_values(re(jnp.asarray(flat, wide)))
     trainable = {e.path for e in re.layout() if e.kind == TRAINABLE}
     trainable |= {node_path(p) for p in trainable}
     keep = lambda k, v: v if jax.tree_util.keystr(k) in trainable else None

@@ -1,4 +1,5 @@
-"""The float64 start of a SciPy fit, and the flattened start models kept for reuse."""
+"""The start of a fit (float64; a device fit's in the model's dtype where JAX's
+64-bit mode is off), and the flattened start models kept for reuse."""
 
 from collections import OrderedDict
 from collections.abc import Hashable
@@ -15,8 +16,14 @@ from .fn_key import Same
 from .problem import check_start
 
 
-def start(model, x0, filter_spec, who: str) -> tuple[np.ndarray, Restructure]:
-    """The float64 starting vector and `re`, or a clear error."""
+def start(
+    model, x0, filter_spec, who: str, device: bool = False
+) -> tuple[np.ndarray, Restructure]:
+    """The float64 starting vector and `re`, or a clear error. A `device` fit computes
+    in `p`'s dtype, so with JAX's 64-bit mode off it starts in the model's own dtype
+    (float32), which that mode can hold."""
+    if not x64_enabled() and device:
+        return _narrow_start(model, x0, filter_spec, who)
     if not x64_enabled():
         raise TypeError(
             f"`{who}` runs SciPy, which works in float64, but JAX's 64-bit mode is off, "
@@ -41,6 +48,26 @@ def start(model, x0, filter_spec, who: str) -> tuple[np.ndarray, Restructure]:
     x0 = checked_flat_vector(x0, len(re), f"`{who}` (`x0`)")
     # An exact conversion: float32 and narrower fit in float64 without rounding.
     x0 = np.array(x0, dtype=np.float64)
+    check_start(x0, re, who)
+    return x0, re
+
+
+def _narrow_start(model, x0, filter_spec, who: str) -> tuple[np.ndarray, Restructure]:
+    """The start of a device fit with JAX's 64-bit mode off: `p` in the model's dtype
+    (the core refuses a leaf that mode cannot hold), `x0` in that dtype exactly."""
+    p, re = destructure(model, filter_spec)
+    if x0 is None:
+        x0 = np.asarray(p)
+    else:
+        x0 = np.asarray(checked_flat_vector(x0, len(re), f"`{who}` (`x0`)"))
+        if not np.can_cast(x0.dtype, re.dtype, "same_kind") or (
+            np.dtype(x0.dtype).itemsize > np.dtype(re.dtype).itemsize
+        ):
+            raise TypeError(
+                f"`{who}` got `x0` of dtype {x0.dtype.name} for a {re.dtype.name} fit "
+                f"(JAX's 64-bit mode is off): pass `x0` as {re.dtype.name}."
+            )
+        x0 = x0.astype(re.dtype)
     check_start(x0, re, who)
     return x0, re
 

@@ -99,8 +99,9 @@ def least_squares(
     [Parameter estimation](parameter_estimation.md).
     """
     _check(method, bounds, callback, kwargs)
-    inputs = checked_inputs(residuals, model, args, x0, filter_spec, _WHO)
-    if method == "device":  # the whole fit as one compiled program
+    device = method == "device"
+    inputs = checked_inputs(residuals, model, args, x0, filter_spec, _WHO, device)
+    if device:  # the whole fit as one compiled program
         options = minpack_options(kwargs, len(inputs.re), _WHO)
         return on_device.least_squares_on_device(inputs, options, mode)
     return _on_host(
