@@ -487,6 +487,25 @@ def test_float32_device_fits_run_with_jax_64_bit_mode_off(x64_off):
         sciflat.least_squares(_decay, model, args=(x, ys[0]), progress=False)
 
 
+def test_what_a_float32_device_fit_refuses_before_it_compiles(x64_off):
+    """With JAX's 64-bit mode off, an `x0` wider than the model's float32 is refused
+    (it would be rounded), and an `algorithm` that is not one of the two records is
+    named, both before anything is traced."""
+    model = {"a": jnp.float32(1.0), "k": jnp.float32(0.5)}
+    x = np.linspace(0.0, 1.0, 4, dtype=np.float32)
+    run = lambda **kw: sciflat.least_squares(
+        _decay, model, args=(x, x), method="device", progress=False, **kw
+    )
+    with pytest.raises(
+        TypeError, match=r"`x0`\)\) has dtype float64, but JAX.s 64-bit mode is off"
+    ):
+        run(x0=np.array([1.0, 0.5]))
+    with pytest.raises(TypeError, match=r"`algorithm` must be .*got 'qr'"):
+        sciflat.least_squares_batch(
+            _decay, model, args=(x,), batch_args=(x[None],), algorithm="qr"
+        )
+
+
 def test_lmpar_meets_the_radius_as_minpack_asks():
     """Moré's parameter: `||D p|| = delta` to 10% when the Gauss–Newton step is
     longer than the radius (else `par = 0` and the Gauss–Newton step)."""

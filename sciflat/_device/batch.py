@@ -354,6 +354,11 @@ def least_squares_batch(
 
     A [`sciflat.BatchResult`][].
     """
+    if not isinstance(algorithm, NormalEquations | MinpackQR):
+        raise TypeError(
+            f"`{_WHO}`: `algorithm` must be `sciflat.NormalEquations()` or "
+            f"`sciflat.MinpackQR()`, got {algorithm!r}."
+        )
     inputs = checked_inputs(residuals, model, args, None, filter_spec, _WHO, True)
     residuals, re, args = inputs.fn, inputs.re, inputs.args
     x0s = inputs.start[None]
@@ -373,11 +378,6 @@ def least_squares_batch(
         chunk_size = _auto_chunk(m, len(re))
     size = k if chunk_size is None else max(1, min(int(chunk_size), k))
     size = -(-size // len(devices)) * len(devices)  # a multiple of the device count
-    if not isinstance(algorithm, NormalEquations | MinpackQR):
-        raise TypeError(
-            f"`{_WHO}`: `algorithm` must be `sciflat.NormalEquations()` or "
-            f"`sciflat.MinpackQR()`, got {algorithm!r}."
-        )
     transforms = has_transforms(inputs.model)
     fits = _Fits(residuals, re, args, data, x0s, m, transforms)
     bar = progress_bar(enabled=progress and k > size, desc=_WHO, unit="fit", total=k)

@@ -60,9 +60,7 @@ def _narrow_start(model, x0, filter_spec, who: str) -> tuple[np.ndarray, Restruc
         x0 = np.asarray(p)
     else:
         x0 = np.asarray(checked_flat_vector(x0, len(re), f"`{who}` (`x0`)"))
-        if not np.can_cast(x0.dtype, re.dtype, "same_kind") or (
-            np.dtype(x0.dtype).itemsize > np.dtype(re.dtype).itemsize
-        ):
+        if not np.can_cast(x0.dtype, re.dtype, "safe"):  # exact, or refused
             raise TypeError(
                 f"`{who}` got `x0` of dtype {x0.dtype.name} for a {re.dtype.name} fit "
                 f"(JAX's 64-bit mode is off): pass `x0` as {re.dtype.name}."

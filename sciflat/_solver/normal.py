@@ -28,7 +28,6 @@ from . import lm as _lm
 # longer be trusted to give the step to a few digits. NIST's StRD problems in
 # float64: `benchmarks/bench_many_fits.py --nist-batch` (docs/devdocs/many_fits.md).
 TOO_SMALL = 1e4
-_EINSUM = False
 
 
 def _sum(terms: list) -> jax.Array:
@@ -55,7 +54,7 @@ def gram(jac, f, diag):
     carrying the sums was 3x slower). Above `lm._IN_ORDER` residuals, XLA's dot."""
     m, n = jac.shape[:2]
     js = jac / diag[None]
-    if m > _lm._IN_ORDER or _EINSUM:
+    if m > _lm._IN_ORDER:
         # XLA's dot (a program of any `m` to compile, not m · n² operations).
         both = jnp.einsum("rik,rjk->ijk", js, jnp.concatenate([js, f[:, None]], 1))
         h = [[both[i, j] for j in range(i + 1)] for i in range(n)]
