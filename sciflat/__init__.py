@@ -37,6 +37,7 @@ if typing.TYPE_CHECKING:
         multistart as multistart,
     )
     from ._optax.fit import fit as fit
+    from ._petab.hierarchical import HierarchicalProblem as HierarchicalProblem
     from ._petab.problem import (
         PetabProblem as PetabProblem,
         ReactionODE as ReactionODE,
@@ -68,6 +69,7 @@ _LAZY = {
     # PEtab: python-libsbml, SymPy, PyYAML and Diffrax (the `petab` extra).
     "petab_problem": "._petab.problem",
     "PetabProblem": "._petab.problem",
+    "HierarchicalProblem": "._petab.hierarchical",
     "ReactionODE": "._petab.problem",
     "profile": "._profile",
     "Profile": "._profile",

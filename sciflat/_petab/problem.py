@@ -7,8 +7,8 @@ symbolic), `formulas.py` (SymPy to JAX) and `objective.py` (the solves and the n
 model); `petab_problem` puts them together.
 """
 
-import functools as ft
 import os
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import jax
@@ -18,8 +18,10 @@ from jaxtyping import Array, Scalar
 
 from .._fitting.hessian import hessian_uncertainty
 from .formulas import compile_formulas
+from .hierarchical import HierarchicalProblem
 from .objective import Objective, ReactionODE as ReactionODE, unscale
 from .sbml import SbmlOde, read_sbml
+from .strong import strongly_typed
 from .tables import Scale, _to_scale, lint, read_files, read_tables
 
 
@@ -112,9 +114,9 @@ class PetabProblem:
         self.measurements: list[dict[str, str]] = tables.measurements
         self.n_data: int = tables.n_data
         # jit by identity: one compilation per problem, shared by every fit.
-        self.nll = _strongly_typed(jax.jit(self._nll))
-        self.residuals = _strongly_typed(jax.jit(self._residuals))
-        self._neg_log_prior = _strongly_typed(jax.jit(objective.neg_log_prior))
+        self.nll = strongly_typed(jax.jit(self._nll))
+        self.residuals = strongly_typed(jax.jit(self._residuals))
+        self._neg_log_prior = strongly_typed(jax.jit(objective.neg_log_prior))
 
     def _nll(self, model: dict[str, Any]) -> Scalar:
         return self._objective.nll(model)
@@ -143,6 +145,23 @@ class PetabProblem:
         `-(llh + log_prior)`.
         """
         return -self._neg_log_prior(model)
+
+    def hierarchical(self, noise: Sequence[str] | None = None) -> HierarchicalProblem:
+        """This problem with its noise parameters computed in closed form for each
+        trial of the others (hierarchical optimisation): a fit sees only the outer
+        parameters.
+
+        **Arguments:**
+
+        - `noise`: the noise parameters to compute (default: every one that can be;
+            see [`sciflat.HierarchicalProblem`][] for which can).
+
+        **Returns:**
+
+        A [`sciflat.HierarchicalProblem`][]: `nominal`, `bounds`, `nll`, `residuals`
+        of the outer parameters, and `full(model)`, every parameter.
+        """
+        return HierarchicalProblem(self, noise)
 
     def unscale(self, model: dict[str, Any]) -> dict[str, Array]:
         """The estimated parameters on the linear scale.
@@ -342,39 +361,3 @@ def petab_problem(
         solver = diffrax.Kvaerno5(root_finder=optimistix.Newton(rtol=rtol, atol=atol))
     objective = Objective(tables, formulas, diffrax, solver, rtol, atol, max_steps)
     return PetabProblem(objective, ode)
-
-
-def _strongly_typed(fn):
-    """`fn(model)`, each weakly typed value of `model` (a Python float,
-    `jnp.asarray(0.7)`) first made a strongly typed array of the dtype the values
-    compute in anyway (their `jnp.result_type`, as `_ext` takes it). `jax.jit` keys on
-    weak types: `nll(problem.nominal)` and `nll({"k": jnp.asarray(-0.7), ...})` would
-    compile twice (seconds each) for the same arithmetic."""
-
-    @ft.wraps(fn)
-    def call(model):
-        return fn(_strong_values(model))
-
-    return call
-
-
-def _strong_values(model):
-    if not isinstance(model, dict):
-        return model  # `check_model` says what was expected
-    weak = [k for k, v in model.items() if _weak(v)]
-    if not weak:
-        return model
-    try:
-        dtype = jnp.result_type(*model.values())
-    except TypeError:  # a value that is not a number: `check_model` names it
-        return model
-    if not jnp.issubdtype(dtype, jnp.inexact):
-        return model
-    return {**model, **{k: jnp.asarray(model[k], dtype) for k in weak}}
-
-
-def _weak(x) -> bool:
-    try:
-        return jax.typeof(x).weak_type
-    except TypeError:
-        return False
