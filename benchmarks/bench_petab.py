@@ -1,35 +1,81 @@
-"""The Boehm et al. 2014 PEtab problem: one simulation, one gradient, one Jacobian (the
-forward sensitivities of all 96 residuals to the 9 parameters), beside AMICI's reference
-budgets for this model (simulation 5 ms, forward sensitivities 50 ms; AMICI's
-tests/benchmark_models).
+"""PEtab problems: sciflat's simulation, gradient and first call, on Boehm et al. 2014
+alone (default) or on every problem of a folder beside AMICI (`--amici`).
 
-All variants in one process, interleaved, after compilation, each call until ready; the
-table gives medians over `--repeats` rounds at the published parameters and at a few
-starts drawn in the bounds (where the model is less stiff or more).
+**Boehm** (default): one simulation, one gradient, one Jacobian (the forward
+sensitivities of all 96 residuals to the 9 parameters), beside AMICI's reference
+budgets for this model (simulation 5 ms, forward sensitivities 50 ms; AMICI's
+tests/benchmark_models). All variants in one process, interleaved, after compilation,
+each call until ready; the table gives medians over `--repeats` rounds at the published
+parameters and at a few starts drawn in the bounds (where the model is less stiff or
+more).
 
     python benchmarks/bench_petab.py
     python benchmarks/bench_petab.py --repeats 50 --starts 4
     python benchmarks/bench_petab.py --plain   # and without the solves' custom JVP
+
+**Against AMICI** (`--amici`; needs `amici` installed, a reference tool for benchmarks,
+never a dependency of sciflat: `apt-get install swig libopenblas-dev
+libhdf5-serial-dev`, then `pip install amici`): every problem folder (`NAME/NAME.yaml`)
+under `--dir` (default `../shared/data/petab`, beside the repository) and `--extra`
+(or `$SCIFLAT_PETAB_EXTRA`, folders separated by `:`). Each problem runs in a child
+process of its own, with a `--timeout`, so a problem that sciflat cannot solve in time
+is reported as such and the others still run. In the child, after AMICI's model and
+sciflat's problem are loaded and compiled, at the nominal parameters:
+
+- llh: sciflat's `problem.llh` with its defaults against AMICI's at rtol 1e-12, atol
+  1e-14 (converged), relative error; AMICI's own at its defaults in parentheses.
+- gradient: sciflat's `jax.grad` of the data's −log L (of `nll` less the priors; at
+  `--grad-tol RTOL ATOL` if given, else sciflat's defaults) against AMICI's forward
+  sensitivities at rtol 1e-12, atol 1e-14, relative error in the 2-norm, both on the
+  parameters' scales; AMICI's own at its defaults in parentheses.
+- per call: sciflat's jitted `nll` and `jax.grad(nll)`; AMICI's `simulate_petab` with
+  the ExpData and parameter mapping made once (what pyPESTO's objective calls), at its
+  defaults (rtol 1e-8, atol 1e-16), without and with forward sensitivities; both
+  single-threaded on the host. Medians of interleaved rounds, and the ratio.
+- first call: sciflat's `petab_problem` (read) plus its first `nll` (trace, compile,
+  run) and its first gradient; AMICI's model build (code generation and C++ build,
+  once per model: cached under `--amici-models`, its time kept beside it) and its load
+  in a fresh process (tables, model module, ExpData, first simulation).
+
+    python benchmarks/bench_petab.py --amici --extra /path/to/more/problems
+    python benchmarks/bench_petab.py --amici --only Boehm_JProteomeRes2014 --repeats 5
+    python benchmarks/bench_petab.py --amici --amici-only   # AMICI's reference llh
+
+Without AMICI installed, `--amici` says so and measures nothing.
 """
 
 import argparse
+import json
+import os
+import pathlib
 import statistics
+import subprocess
+import sys
 import time
-
-import jax
-import jax.numpy as jnp
-
-import sciflat
+from typing import Any
 
 
-jax.config.update("jax_enable_x64", True)
+_HERE = pathlib.Path(__file__).resolve()
+_SHARED = _HERE.parents[2] / "shared" / "data" / "petab"
+_MODELS = pathlib.Path.home() / ".cache" / "sciflat-bench" / "amici-models"
+_TIGHT = (1e-12, 1e-14)  # AMICI's converged reference: rtol, atol
 
-YAML = sciflat.petab_benchmark("Boehm_JProteomeRes2014")
+
+# -- Boehm alone (the default) --------------------------------------------------------
+
+
 AMICI_MS = {"simulation (nll)": 5.0, "forward sensitivities (Jacobian)": 50.0}
 
 
-def main(repeats: int = 20, starts: int = 3, plain: bool = False) -> None:
-    problem = sciflat.petab_problem(YAML)
+def boehm(repeats: int = 20, starts: int = 3, plain: bool = False) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    import sciflat
+
+    jax.config.update("jax_enable_x64", True)
+    yaml = sciflat.petab_benchmark("Boehm_JProteomeRes2014")
+    problem = sciflat.petab_problem(yaml)
     p, re = sciflat.destructure(problem.nominal, dtype=jnp.float64)
     variants = {
         "simulation (nll)": jax.jit(lambda x: problem.nll(re(x))),
@@ -47,7 +93,7 @@ def main(repeats: int = 20, starts: int = 3, plain: bool = False) -> None:
         # The same problem with the solves' plain `diffrax.ForwardMode` derivative,
         # without the custom JVP that carries the forward sensitivities (and gives
         # reverse mode): what that rule costs in forward mode.
-        other = sciflat.petab_problem(YAML)
+        other = sciflat.petab_problem(yaml)
         objective = other._objective
         objective.solve_with_sensitivities = lambda linear: objective.solve_all(
             objective.ext_of(linear)
@@ -88,6 +134,377 @@ def main(repeats: int = 20, starts: int = 3, plain: bool = False) -> None:
         )
 
 
+# -- every problem against AMICI: the child, one problem -------------------------------
+
+
+def _emit(**record: Any) -> None:
+    """One line of results for the parent (it keeps what came before a timeout)."""
+    print("@@ " + json.dumps(record), flush=True)
+
+
+def _amici_solver(model: Any, rtol: float, atol: float | None, sensitivities: bool):
+    from amici.sim.sundials import SensitivityMethod, SensitivityOrder
+
+    solver = model.create_solver()
+    if atol is not None:  # else AMICI's defaults (rtol 1e-8, atol 1e-16)
+        solver.set_relative_tolerance(rtol)
+        solver.set_absolute_tolerance(atol)
+        solver.set_relative_tolerance_fsa(rtol)
+        solver.set_absolute_tolerance_fsa(atol)
+        solver.set_max_steps(10**6)
+    if sensitivities:
+        solver.set_sensitivity_order(SensitivityOrder.first)
+        solver.set_sensitivity_method(SensitivityMethod.forward)
+    return solver
+
+
+def _amici_model(yaml: pathlib.Path, models: pathlib.Path, compile_: bool) -> Any:
+    import petab.v1 as petab
+    import petab.v1.lint
+    from amici.importers.petab.v1 import import_petab_problem
+
+    petab_problem = petab.Problem.from_yaml(str(yaml))
+    if petab.lint.measurement_table_has_timepoint_specific_mappings(
+        petab_problem.measurement_df
+    ):  # AMICI's import needs one observable per placeholder value (as pyPESTO does)
+        petab.flatten_timepoint_specific_output_overrides(petab_problem)
+    name = yaml.stem
+    model = import_petab_problem(
+        petab_problem, models / name, model_name=name, compile_=compile_
+    )
+    return petab_problem, model
+
+
+def build_amici(yaml: pathlib.Path, models: pathlib.Path) -> None:
+    """Generates and compiles AMICI's model (once per model), keeping its time."""
+    t = time.perf_counter()
+    _amici_model(yaml, models, compile_=True)
+    build_s = time.perf_counter() - t
+    (models / f"{yaml.stem}.build.json").write_text(json.dumps({"build_s": build_s}))
+    _emit(amici_build_s=build_s)
+
+
+def one_problem(
+    yaml: pathlib.Path,
+    models: pathlib.Path,
+    repeats: int,
+    seconds: float,
+    amici_only: bool = False,
+    grad_tol: tuple[float, float] | None = None,
+) -> None:
+    """Everything for one problem, in this (fresh) process; results as `_emit` lines."""
+    import logging
+
+    import amici  # noqa: F401  (imported before any clock starts, as JAX is)
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from amici.sim.sundials.petab.v1 import create_edatas, simulate_petab
+    from amici.sim.sundials.petab.v1._parameter_mapping import (
+        create_parameter_mapping,
+    )
+
+    import sciflat
+
+    jax.config.update("jax_enable_x64", True)
+    logging.getLogger("amici").setLevel(logging.ERROR)
+
+    # AMICI: load in this fresh process (tables, module, ExpData, first simulation).
+    t = time.perf_counter()
+    petab_problem, model = _amici_model(yaml, models, compile_=False)
+    conditions = petab_problem.get_simulation_conditions_from_measurement_df()
+    edatas = create_edatas(
+        amici_model=model, petab_problem=petab_problem, simulation_conditions=conditions
+    )
+    mapping = create_parameter_mapping(
+        petab_problem, conditions, scaled_parameters=True, amici_model=model
+    )
+    ids = list(petab_problem.x_free_ids)
+    nominal = dict(
+        zip(petab_problem.x_ids, petab_problem.get_x_nominal(scaled=True), strict=True)
+    )
+    x_amici = {k: nominal[k] for k in ids}
+
+    def amici_call(solver: Any, x: dict[str, float] = x_amici) -> dict[str, Any]:
+        return simulate_petab(
+            petab_problem,
+            amici_model=model,
+            solver=solver,
+            problem_parameters=x,
+            scaled_parameters=True,
+            edatas=edatas,
+            parameter_mapping=mapping,
+            scaled_gradients=True,
+        )
+
+    plain = _amici_solver(model, 1e-8, None, sensitivities=False)
+    amici_call(plain)
+    _emit(amici_load_s=time.perf_counter() - t)
+    tight = amici_call(_amici_solver(model, *_TIGHT, sensitivities=True))
+    ref_llh = float(tight["llh"])
+    ref_grad = (
+        None
+        if tight["sllh"] is None
+        else [-float(tight["sllh"][k]) for k in ids]  # of −llh
+    )
+    default_llh = float(amici_call(plain)["llh"])
+    sllh = amici_call(_amici_solver(model, 1e-8, None, sensitivities=True))["sllh"]
+    _emit(
+        amici_llh=ref_llh,
+        amici_grad=ref_grad,
+        amici_default_llh=default_llh,
+        amici_default_grad=None if sllh is None else [-float(sllh[k]) for k in ids],
+    )
+    if amici_only:  # and AMICI's gradient against its own central differences
+        tight_plain = _amici_solver(model, *_TIGHT, sensitivities=False)
+        fd = []
+        for k in ids:
+            h = 1e-5 * max(1.0, abs(x_amici[k]))
+            up = amici_call(tight_plain, {**x_amici, k: x_amici[k] + h})["llh"]
+            down = amici_call(tight_plain, {**x_amici, k: x_amici[k] - h})["llh"]
+            fd.append(-(up - down) / (2 * h))
+        _emit(amici_fd_grad=fd)
+        return
+
+    # sciflat: read, then the first calls (trace, compile, run).
+    t = time.perf_counter()
+    try:
+        problem = sciflat.petab_problem(yaml)
+    except (ValueError, TypeError, NotImplementedError) as e:
+        _emit(sciflat_error=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
+        return
+    read_s = time.perf_counter() - t
+    if list(problem.parameter_ids) != ids:
+        _emit(sciflat_error="estimated parameters differ from AMICI's")
+        return
+    p, re = sciflat.destructure(problem.nominal, dtype=jnp.float64)
+    llh_fn = jax.jit(lambda x: problem.nll(re(x)))
+    # The gradient at the tolerances recommended for gradients, if they differ.
+    problem_g = problem
+    if grad_tol is not None:
+        problem_g = sciflat.petab_problem(yaml, rtol=grad_tol[0], atol=grad_tol[1])
+    grad_fn = jax.jit(jax.grad(lambda x: problem_g.nll(re(x))))
+    t = time.perf_counter()
+    nll = float(llh_fn(p))
+    first_llh_s = time.perf_counter() - t
+    _emit(sciflat_read_s=read_s, sciflat_first_llh_s=first_llh_s)
+    llh = -nll - float(problem.log_prior(problem.nominal))
+    _emit(sciflat_llh=llh)
+    t = time.perf_counter()
+    grad = np.asarray(jax.block_until_ready(grad_fn(p)))
+    _emit(sciflat_first_grad_s=time.perf_counter() - t)
+    prior_grad = np.asarray(jax.grad(lambda x: problem.log_prior(re(x)))(p))
+    _emit(sciflat_grad=(grad + prior_grad).tolist())  # of the data's −log L
+
+    # Per call, interleaved: `repeats` rounds or `seconds`, at least 3 rounds.
+    sens = _amici_solver(model, 1e-8, None, sensitivities=True)
+    calls = {
+        "sciflat_llh": lambda: jax.block_until_ready(llh_fn(p)),
+        "sciflat_grad": lambda: jax.block_until_ready(grad_fn(p)),
+        "amici_llh": lambda: amici_call(plain),
+        "amici_grad": lambda: amici_call(sens),
+    }
+    times: dict[str, list[float]] = {k: [] for k in calls}
+    cpp: dict[str, list[float]] = {"amici_llh": [], "amici_grad": []}
+    start = time.perf_counter()
+    for r in range(repeats):
+        for k, fn in calls.items():
+            t = time.perf_counter()
+            out = fn()
+            times[k].append(time.perf_counter() - t)
+            if k in cpp:  # AMICI's own clock: the C++ simulation alone, in ms
+                cpp[k].append(sum(d["cpu_time"] for d in out["rdatas"]))
+        if r >= 2 and time.perf_counter() - start > seconds:
+            break
+    _emit(
+        rounds=r + 1,
+        **{f"{k}_ms": 1e3 * statistics.median(v) for k, v in times.items()},
+        **{f"{k}_cpp_ms": statistics.median(v) for k, v in cpp.items()},
+    )
+
+
+# -- every problem against AMICI: the parent -------------------------------------------
+
+
+def _problems(dirs: list[pathlib.Path], only: list[str]) -> list[pathlib.Path]:
+    found: dict[str, pathlib.Path] = {}
+    for d in dirs:
+        if not d.is_dir():
+            raise SystemExit(f"No folder {d}: give the problems' folder with --dir.")
+        for sub in sorted(d.iterdir()):
+            yaml = sub / f"{sub.name}.yaml"
+            if yaml.is_file() and (not only or sub.name in only):
+                found.setdefault(sub.name, yaml)
+    return [found[k] for k in sorted(found)]
+
+
+def _child(args: list[str], timeout: float) -> tuple[dict[str, Any], str]:
+    """Runs this script on one problem; its records, and how it ended."""
+    command = [sys.executable, str(_HERE), *args]
+    env = {**os.environ, "AMICI_LOG": "WARNING"}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # a true first call
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        status = "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        status = f"timeout {timeout:.0f} s"
+    records: dict[str, Any] = {}
+    tail = []
+    for line in out.splitlines():
+        if line.startswith("@@ "):
+            records.update(json.loads(line[3:]))
+        elif line.strip():
+            tail.append(line.strip())
+    if status.startswith("exit") and tail:
+        status += ": " + tail[-1][:160]
+    return records, status
+
+
+def _rel(a: Any, b: Any) -> float | None:
+    import numpy as np
+
+    if a is None or b is None:
+        return None
+    a, b = np.asarray(a, float), np.asarray(b, float)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def _fmt_err(e: float | None) -> str:
+    if e is None:
+        return "—"
+    if not e == e or e == float("inf"):
+        return str(e)
+    return f"{e:.0e}"
+
+
+def _fmt_ms(ms: float | None) -> str:
+    if ms is None:
+        return "—"
+    return f"{ms:.1f}" if ms < 100 else f"{ms:.0f}"
+
+
+def _llh_err(llh: float | None, ref: float | None) -> str:
+    if llh is None or ref is None:
+        return "—"
+    if not abs(llh) < 1e300:  # inf or nan
+        return str(llh)
+    return _fmt_err(abs(llh - ref) / abs(ref))
+
+
+def _row(name: str, r: dict[str, Any], status: str) -> str:
+    ref = r.get("amici_llh")
+    llh_cell = _llh_err(r.get("sciflat_llh"), ref)
+    llh_cell += f" ({_llh_err(r.get('amici_default_llh'), ref)})"
+    grad_cell = _fmt_err(_rel(r.get("sciflat_grad"), r.get("amici_grad")))
+    grad_cell += (
+        f" ({_fmt_err(_rel(r.get('amici_default_grad'), r.get('amici_grad')))})"
+    )
+    times = []
+    for kind in ("llh", "grad"):
+        s, a = r.get(f"sciflat_{kind}_ms"), r.get(f"amici_{kind}_ms")
+        ratio = f" ({s / a:.1f}×)" if s and a else ""
+        times.append(f"{_fmt_ms(s)} / {_fmt_ms(a)}{ratio}")
+    first = "—"
+    if "sciflat_read_s" in r:
+        first = f"{r['sciflat_read_s'] + r['sciflat_first_llh_s']:.1f} s"
+        if "sciflat_first_grad_s" in r:
+            first += f" + {r['sciflat_first_grad_s']:.1f} s"
+    build = r.get("amici_build_s")
+    load = r.get("amici_load_s")
+    amici_first = f"{build:.0f} s / {load:.2f} s" if build is not None and load else "—"
+    note = "" if status == "ok" else status
+    if "sciflat_error" in r:
+        note = r["sciflat_error"]
+    return (
+        f"| {name} | {llh_cell} | {grad_cell} | {times[0]} | {times[1]} | {first} | "
+        f"{amici_first} | {note} |"
+    )
+
+
+def against_amici(args: argparse.Namespace) -> None:
+    try:
+        import amici
+    except ImportError:
+        print(
+            "AMICI is not installed: `--amici` compares with it where it is "
+            "(apt-get install swig libopenblas-dev libhdf5-serial-dev; pip install "
+            "amici). Nothing measured."
+        )
+        return
+    dirs = [pathlib.Path(args.dir)]
+    extra = args.extra or os.environ.get("SCIFLAT_PETAB_EXTRA", "")
+    dirs += [pathlib.Path(d) for d in extra.split(":") if d]
+    yamls = _problems(dirs, args.only)
+    models = pathlib.Path(args.amici_models)
+    models.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict[str, Any]] = {}
+    for yaml in yamls:
+        name = yaml.stem
+        built = models / f"{name}.build.json"
+        if not built.is_file():
+            print(f"{name}: building AMICI's model ...", file=sys.stderr, flush=True)
+            rec, status = _child(
+                ["--build-one", str(yaml), "--amici-models", str(models)],
+                args.build_timeout,
+            )
+            if status != "ok":
+                results[name] = {"status": f"AMICI build: {status}"}
+                print(f"{name}: AMICI build: {status}", file=sys.stderr, flush=True)
+                continue
+        record: dict[str, Any] = {
+            "amici_build_s": json.loads(built.read_text())["build_s"]
+        }
+        print(f"{name}: measuring ...", file=sys.stderr, flush=True)
+        rec, status = _child(
+            [
+                "--one",
+                str(yaml),
+                "--amici-models",
+                str(models),
+                "--repeats",
+                str(args.repeats),
+                "--seconds",
+                str(args.seconds),
+                *(["--amici-only"] if args.amici_only else []),
+                *(["--grad-tol", *map(str, args.grad_tol)] if args.grad_tol else []),
+            ],
+            args.timeout,
+        )
+        record.update(rec)
+        record["status"] = status
+        results[name] = record
+        print(_row(name, record, status), file=sys.stderr, flush=True)
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
+    if args.amici_only:
+        print("problem\tAMICI llh (rtol 1e-12, atol 1e-14)\tat AMICI's defaults\t")
+        for name, r in results.items():
+            fd = _fmt_err(_rel(r.get("amici_grad"), r.get("amici_fd_grad")))
+            print(
+                f"{name}\t{r.get('amici_llh')!r}\t{r.get('amici_default_llh')!r}"
+                f"\tgradient vs central differences: {fd}\t{r['status']}"
+            )
+        return
+    print(
+        f"\nAMICI {amici.__version__}; per call: medians of up to {args.repeats} "
+        "interleaved rounds at the nominal parameters\n"
+    )
+    print(
+        "| problem | llh: rel. error (AMICI's) | gradient: rel. error (AMICI's) | "
+        "llh, ms: sciflat / "
+        "AMICI | gradient, ms: sciflat / AMICI | first call: sciflat (read + llh + "
+        "gradient) | AMICI: build once / load | |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for name, record in results.items():
+        print(_row(name, record, record["status"]))
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=20)
@@ -95,7 +512,54 @@ if __name__ == "__main__":
     parser.add_argument(
         "--plain",
         action="store_true",
-        help="also time the derivatives without the custom JVP of the solves",
+        help="Boehm: also time the derivatives without the custom JVP of the solves",
     )
+    parser.add_argument(
+        "--amici", action="store_true", help="every problem, against AMICI"
+    )
+    parser.add_argument("--dir", default=str(_SHARED), help="the problems' folder")
+    parser.add_argument(
+        "--extra", help="more problem folders, ':'-separated ($SCIFLAT_PETAB_EXTRA)"
+    )
+    parser.add_argument("--only", nargs="*", default=[], help="these problems only")
+    parser.add_argument(
+        "--timeout", type=float, default=600, help="seconds per problem"
+    )
+    parser.add_argument("--build-timeout", type=float, default=3600)
+    parser.add_argument(
+        "--seconds", type=float, default=60, help="timing rounds per problem, at most"
+    )
+    parser.add_argument(
+        "--amici-models",
+        default=os.environ.get("SCIFLAT_AMICI_MODELS", str(_MODELS)),
+        help="where AMICI's built models are kept",
+    )
+    parser.add_argument("--json", help="also write the records to this file")
+    parser.add_argument(
+        "--amici-only", action="store_true", help="AMICI's reference values only"
+    )
+    parser.add_argument(
+        "--grad-tol",
+        nargs=2,
+        type=float,
+        metavar=("RTOL", "ATOL"),
+        help="sciflat's tolerances for the gradient (default: its defaults)",
+    )
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument("--build-one", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    main(args.repeats, args.starts, args.plain)
+    if args.build_one:
+        build_amici(pathlib.Path(args.build_one), pathlib.Path(args.amici_models))
+    elif args.one:
+        one_problem(
+            pathlib.Path(args.one),
+            pathlib.Path(args.amici_models),
+            args.repeats,
+            args.seconds,
+            args.amici_only,
+            None if args.grad_tol is None else tuple(args.grad_tol),
+        )
+    elif args.amici:
+        against_amici(args)
+    else:
+        boehm(args.repeats, args.starts, args.plain)
