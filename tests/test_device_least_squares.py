@@ -408,7 +408,8 @@ def test_device_fits_compute_in_the_dtype_of_p(dtype):
 
     k = 4
     states = sciflat._solver.lm.empty_states(k, 2, 12, dtype)
-    fresh, x0s = np.ones(k, bool), np.tile(np.array([1.0, 0.5], dtype), (k, 1))
+    ids, counts = np.arange(k, dtype=np.int32), np.array([k], np.int32)
+    x0s = np.tile(np.array([1.0, 0.5], dtype), (k, 1))
     shared, rebuild = sciflat._fitting.problem.split_args((x,))
     ys = [np.tile(y, (k, 1))]
     for algorithm in (sciflat.NormalEquations(), sciflat.MinpackQR()):
@@ -416,7 +417,17 @@ def test_device_fits_compute_in_the_dtype_of_p(dtype):
         both = lambda leaves: (*rebuild(leaves[:1]), *leaves[1:])
         fit = b._build(pool, _decay, re, both, "forward")
         run = lambda x0s, ys, fit=fit: tuple(
-            jax.tree.leaves(fit(states, fresh, x0s, np.int32(8), opts, [*shared, *ys]))
+            jax.tree.leaves(
+                fit(
+                    b._Slots(states, -1 - ids, ys),
+                    x0s,
+                    ids,
+                    counts,
+                    np.bool_(True),
+                    opts,
+                    [*shared, *ys],
+                )
+            )
         )
         sciflat.assert_dtypes(run, x0s, ys, grad=False)
 
@@ -565,14 +576,31 @@ def test_multistart_with_the_device_method_is_one_batch():
 @pytest.mark.slow  # a compilation for the chunk's shape and one with a transform
 def test_chunks_and_transforms_equal_the_whole_batch(batch, replicates):
     ys, starts = replicates
-    chunked = _misra_batch(ys, starts=starts, chunk_size=5)
-    assert chunked.status == batch.status
-    # Five slots for twelve fits, each slot taking the next fit when its own ends,
-    # fits running across several visits of the host: every fit as in the batch.
-    assert chunked.n_evaluations.max() > 2 * sciflat._device.batch._TURNS
-    np.testing.assert_array_equal(chunked.n_evaluations, batch.n_evaluations)
-    np.testing.assert_allclose(chunked.p, batch.p, rtol=1e-10)
-    np.testing.assert_allclose(chunked.stderr_flat, batch.stderr_flat, rtol=1e-10)
+    calls = []
+
+    class Bar:
+        def update(self, n):
+            calls.append(n)
+
+        def close(self):
+            pass
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sciflat._device.batch, "progress_bar", lambda **kw: Bar())
+        chunked = _misra_batch(ys, starts=starts, chunk_size=2)
+        one_slot = _misra_batch(ys, starts=starts, chunk_size=1)
+    # Two slots for twelve fits: each slot takes the next fit when its own ends, in
+    # one call of the program (the host collects the twelve at once). One slot: the
+    # program is called once per `_QUEUE` fits, the last fit of the first call
+    # running on in the second. Every fit as in the whole batch, to the bit.
+    queue = sciflat._device.batch._QUEUE
+    assert queue < K
+    assert calls == [K, queue - 1, K - queue + 1]
+    for other in (chunked, one_slot):
+        assert other.status == batch.status
+        np.testing.assert_array_equal(other.n_evaluations, batch.n_evaluations)
+        np.testing.assert_array_equal(other.p, batch.p)
+        np.testing.assert_allclose(other.stderr_flat, batch.stderr_flat, rtol=1e-10)
     # A transform: standard errors of the constrained value, as the SciPy path's.
     model = {"b1": sciflat.Positive(250.0), "b2": 5e-4}
     on_values = sciflat.least_squares_batch(

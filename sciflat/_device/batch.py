@@ -3,16 +3,15 @@
 K starts, K datasets stacked along a leading axis, or both: the device fit (`_lm`) in a
 pool of slots, each turn one trial of every slot under `jax.vmap` (slot by slot where
 the residuals call LAPACK themselves on a CPU), each fit stopping on its own and its
-slot taking the next fit at the host's next visit; the slots sharded over every
-device of JAX's
-(`jax.shard_map`: each device runs its own loop). Memory is K · m · n (the
-Jacobians), never K².
+slot taking the next queued fit at the next turn, inside the compiled program; the
+slots sharded over every device of JAX's (`jax.shard_map`: each device runs its own
+loop on its own queue). Memory is K · m · n (the Jacobians), never K².
 """
 
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -406,30 +405,47 @@ def least_squares_batch(
 _NEEDS_QR = -3
 
 
-# Turns of the loop between two visits of the host, which takes the finished fits
-# out of their slots and starts the next fits there. A slot whose fit finished idles
-# until the visit (half of this on average), and each visit costs every slot about
-# one evaluation (the new fits' first); a visit itself is a few transfers. Once no
-# fit waits for a slot, the loop runs until every fit has finished.
-_TURNS = 8
+# Fits queued for each call of the pool's program, as a multiple of its slots. The
+# program takes the next queued fit into a slot at the turn after the slot's fit
+# finished (its start evaluated in the same pass as the other slots' trial points),
+# and returns once every queued fit has a slot (the last call: once every fit has
+# finished); the host then collects the finished fits and queues the next ones. A
+# slot never waits for the host, and the host's visits (a few transfers) come every
+# `_QUEUE` fits of a slot.
+_QUEUE = 8
+
+
+class _Slots(NamedTuple):
+    """The pool between two calls of its program: each slot's fit (`_lm.State`, the
+    slots' axis first), the fit's index in the batch (-1: none, or collected), and
+    the fit's data (the leaves of `batch_args`, the slots' axis first)."""
+
+    states: _lm.State
+    ids: Any
+    data: list
+
+
+# What the host reads of each finished fit (the Jacobian only where it computes the
+# covariance itself).
+_GOT = ("id", "x", "cost", "nfev", "njev", "info", "cov", "full")
 
 
 def _run_pool(
     fits: _Fits, opts, mode, size: int, devices, algorithm: Algorithm, bar
 ) -> tuple[dict, str]:
-    """Every fit through a pool of `size` slots: the compiled program runs `_TURNS`
-    turns of each slot's fit; the host then collects the fits that finished and puts
-    the next ones in their slots. Each fit's turns are those of `_lm.solve` (its state
-    never leaves the device between visits), so it equals the single fit."""
+    """Every fit through a pool of `size` slots: each call of the compiled program
+    takes the next `_QUEUE * size` fits (fewer at the end), runs every slot's fit
+    turn by turn, a slot taking the next queued fit as soon as its own has finished,
+    and returns the fits that finished. Each fit's turns are those of `_lm.solve`
+    (its state never leaves the device between calls), so it equals the single
+    fit."""
     args, data, x0s, m = fits.args, fits.data, fits.x0s, fits.m
     k, n = x0s.shape
+    n_dev = len(devices)
     shared = split_args(args, to_device=False)[0]
-    pool = _Pool(len(shared), len(devices), algorithm)
+    pool = _Pool(len(shared), n_dev, algorithm)
     dtype = x0s.dtype
-    states: Any = _lm.empty_states(size, n, m, dtype)
-    slot = np.where(np.arange(size) < k, np.arange(size), -1)  # the fit in each slot
-    fresh = slot >= 0
-    queued = int(fresh.sum())  # fits started so far
+    queue = size if k <= size else _QUEUE * size  # a multiple of `n_dev`, as `size`
     host = dict(
         x=np.zeros((k, n), dtype),
         cost=np.zeros(k, dtype),
@@ -440,40 +456,94 @@ def _run_pool(
         full=np.zeros(k, bool),
     )
     jacs: dict[int, np.ndarray] = {}  # of the fits whose covariance the host computes
-    fn, how = None, ""
-    while (slot >= 0).any():
-        rows = np.maximum(slot, 0)  # an empty slot holds fit 0's data, unused
+    pending: list[np.ndarray] = []  # those fits, where the program keeps no Jacobian
+    slots: Any = None
+    fn, how, used = None, "", ""
+    for begin in range(0, k, queue):
+        # Device `d` queues fits `begin + d`, `begin + d + n_dev`, ... (its own loop).
+        ids = np.full((n_dev, queue // n_dev), -1, np.int32)
+        counts = np.zeros(n_dev, np.int32)
+        for d in range(n_dev):
+            mine = np.arange(begin + d, min(begin + queue, k), n_dev)
+            ids[d, : len(mine)], counts[d] = mine, len(mine)
+        ids = ids.ravel()
+        rows = np.where(ids >= 0, ids, begin)  # a padding entry: a fit's data, unused
         part = _member(data, rows)
-        placed = _place((states, fresh, x0s[rows], part), devices)
-        turns = np.int32(_TURNS if queued < k else np.iinfo(np.int32).max)
-        leaves = [*shared, *split_args(placed[3], to_device=False)[0]]
+        if slots is None:
+            # Empty slots (finished, holding no fit) with the first queued fit's data.
+            slots = _Slots(
+                _lm.empty_states(size, n, m, dtype),
+                np.full(size, -1, np.int32),
+                [a[np.zeros(size, int)] for a in split_args(part, False)[0]],
+            )
+        last = np.bool_(begin + queue >= k)
+        placed = _place((slots, x0s[rows], ids, counts, part), devices)
+        leaves = [*shared, *split_args(placed[4], to_device=False)[0]]
         if fn is None:
             programs = Programs(
-                _build, fits.residuals, fits.re, (*args, *placed[3]), to_device=False
+                _build, fits.residuals, fits.re, (*args, *placed[4]), to_device=False
             )
             fn, used = programs.first_working(
-                pool, choose_modes(mode, True), *placed[:3], turns, opts
+                pool, choose_modes(mode, True), *placed[:4], last, opts
             )
             how = f"Jacobian: {used} mode"
-        states, out = fn(*placed[:3], turns, opts, leaves)
-        got = jax.device_get({key: out[key] for key in host})
-        done = np.flatnonzero((slot >= 0) & (np.asarray(got["info"]) != 0))
-        finished = slot[done]
-        for key, value in got.items():
-            host[key][finished] = np.asarray(value)[done]
+        slots, out = fn(*placed[:4], last, opts, leaves)
+        got = jax.device_get({key: out[key] for key in _GOT})
+        done = np.flatnonzero(np.asarray(got["id"]) >= 0)
+        finished = np.asarray(got["id"])[done]
+        for key in host:
+            host[key][finished] = np.asarray(got[key])[done]
         recompute = done[~np.asarray(got["full"])[done] | fits.transforms]
-        if len(recompute):
+        if len(recompute) and "jac" in out:
             jac = np.asarray(out["jac"])
-            jacs.update({int(slot[i]): jac[i] for i in recompute})
+            jacs.update({int(got["id"][i]): jac[i] for i in recompute})
+        elif len(recompute):
+            pending.append(np.asarray(got["id"])[recompute])
         bar.update(len(done))
-        # The next fits take the freed slots; the rest of the slots stay empty.
-        n_new = min(len(done), k - queued)
-        fresh = np.zeros(size, bool)
-        fresh[done[:n_new]] = True
-        slot[done] = -1
-        slot[done[:n_new]] = np.arange(queued, queued + n_new)
-        queued += n_new
+    if pending:
+        which = np.concatenate(pending)
+        jac = _jacobians(fits, used, host["x"], which)
+        jacs.update(zip(which.tolist(), jac, strict=True))
     return dict(host, jac=jacs, m=m), how
+
+
+@dataclasses.dataclass(frozen=True)
+class _Jacobians:
+    """The program of `_jacobians` (`Programs`' key): the number of shared leaves
+    of `args`."""
+
+    n_shared: int
+
+
+def _jacobians(fits: _Fits, mode: str, xs: np.ndarray, which: np.ndarray) -> list:
+    """The Jacobians of fits `which` at their points `xs[which]`, evaluated again
+    (one program for the few fits whose covariance the host computes: those of
+    rank-deficient fits, or fits through transforms), padded to a power of two so
+    that a few sizes compile."""
+    size = 1 << (len(which) - 1).bit_length()
+    rows = np.concatenate([which, np.full(size - len(which), which[0])])
+    shared = split_args(fits.args, to_device=False)[0]
+    part = _member(fits.data, rows)
+    batched = split_args(part, to_device=False)[0]
+    programs = Programs(
+        _build_jacobians, fits.residuals, fits.re, (*fits.args, *part), to_device=False
+    )
+    fn = programs.get(_Jacobians(len(shared)), mode, xs[rows])
+    jac = np.asarray(fn(xs[rows], [*shared, *batched]))
+    return list(jac[: len(which)])
+
+
+def _build_jacobians(kind: _Jacobians, residuals, re, rebuild, mode: str) -> Callable:
+    r = dls.residual_fn(residuals, re, rebuild)
+
+    def jacobians(xs, leaves):
+        shared, batched = leaves[: kind.n_shared], leaves[kind.n_shared :]
+        one = lambda x, b: dls.with_jacobian(lambda x: r(x, [*shared, *b]), mode)(x)
+        first = lambda x: r(x, [*shared, *_member(batched, 0)])
+        one_by_one = jax.default_backend() == "cpu" and _calls_lapack(first, xs[0])
+        return _over_slots(one, (0, 0), one_by_one)(xs, batched)[1]
+
+    return jacobians
 
 
 # On a CPU, a chunk's loop state (its Jacobians, their QR) is kept near this size:
@@ -553,10 +623,14 @@ def _place(tree, devices):
 
 
 def _build(pool: _Pool, residuals, re, rebuild, mode: str) -> Callable:
-    """`(states, fresh, x0s, turns, options, leaves) -> (states, outputs)`: up to
-    `turns` turns of each slot's fit in a pool (a `fresh` slot first starting from
-    its `x0`), each turn one `vmap` of a trial over the slots and the batched leaves
-    (those after the first `n_shared`): `_lm.advance`."""
+    """`(slots, x0s, ids, counts, last, options, leaves) -> (slots, finished)`: the
+    pool's program (`_run_pool`). `x0s`, `ids` (the fits' indices in the batch, -1
+    for padding) and the batched leaves (those after the first `n_shared`) are the
+    queue; `counts` the number of queued fits of each device. Each turn collects the
+    finished fits into `finished` (their outputs, one row each, `id` -1 for an
+    unused row), puts the next queued fits into the freed slots, and runs one trial
+    of every slot (`_lm.accepted`), a new fit's first evaluation in the same pass.
+    The covariances are computed once per finished fit, after the loop."""
     n_shared, n_devices = pool.n_shared, pool.n_devices
     normal = isinstance(pool.algorithm, NormalEquations)
     r = dls.residual_fn(residuals, re, rebuild)
@@ -567,72 +641,149 @@ def _build(pool: _Pool, residuals, re, rebuild, mode: str) -> Callable:
     cpu = jax.default_backend() == "cpu"
     serial = n_devices > 1 and cpu
 
-    def begin(state, fresh, x0, opts, shared, batched):
+    def evaluated(state, step, new, x0, opts, shared, batched):
+        """A slot's turn: a `new` slot starts its fit at `x0`, another tries `step`
+        (`_lm.accept`), with one evaluation either way."""
         both = dls.with_jacobian(lambda x: r(x, [*shared, *batched]), mode)
-        start = _lm.initial_state(both, x0, opts, 1)
-        return jax.tree.map(lambda a, b: jnp.where(fresh, a, b), start, state)
+        x_new = _lm.trial_point(state, step)
+        f, jac = both(jnp.where(new, x0, x_new))
+        start = _lm.started(x0, f, jac, opts, 1)
+        moved = _lm.accepted(state, step, x_new, f, jac, opts)
+        return jax.tree.map(lambda a, b: jnp.where(new, a, b), start, moved)
 
-    def step(state, opts, shared, batched):
-        both = dls.with_jacobian(lambda x: r(x, [*shared, *batched]), mode)
-        return _lm.trial(both, state, opts, serial)
-
-    def accept(state, step, opts, shared, batched):
-        both = dls.with_jacobian(lambda x: r(x, [*shared, *batched]), mode)
-        return _lm.accept(both, state, step, opts)
-
-    def normal_steps(states):
-        """Every slot's step from its normal equations; a slot where they are
-        ill-conditioned stops (`_NEEDS_QR`: the host runs its fit again with
-        `MinpackQR`), so that this program holds no QR or SVD."""
-        steps, ill = _normal.steps(states)
+    def trial_steps(states, h, b):
+        """Every slot's step. With the normal equations (`h`, `b`), a slot where
+        they are ill-conditioned stops (`_NEEDS_QR`: the host runs its fit again
+        with `MinpackQR`), so that this program holds no QR or SVD."""
+        if not normal:
+            return states, jax.vmap(lambda st: _lm.minpack_step(st, serial))(states)
+        steps, ill = _normal.steps(states, h, b)
         info = jnp.where(ill & (states.info == 0), _NEEDS_QR, states.info)
         return states._replace(info=info), steps
 
-    def many(states, fresh, x0s, turns, opts, shared, batched):
+    def many(slots, x0s, ids_q, counts, last, opts, shared, batched):
+        states, ids, data = slots
+        size, queue = ids.shape[0], ids_q.shape[0]
+        rows = queue + size  # at most this many fits finish in one call
+        count = counts[0]
         first = lambda x: r(x, [*shared, *_member(batched, 0)])
         one_by_one = cpu and _calls_lapack(first, x0s[0])
-        slots = functools.partial(_over_slots, one_by_one=one_by_one)
-        states = slots(begin, (0, 0, 0, None, None, 0))(
-            states, fresh, x0s, opts, shared, batched
-        )
-        if normal:
+        over_slots = functools.partial(_over_slots, one_by_one=one_by_one)
+        turn = over_slots(evaluated, (0, 0, 0, 0, None, None, 0))
+        i32 = jnp.int32
 
-            def trials(st):
-                st, steps = normal_steps(st)
-                return slots(accept, (0, 0, None, None, 0))(
-                    st, steps, opts, shared, batched
-                )
+        def equations(states):
+            return _normal.equations(states) if normal else (None, None)
 
-        else:
-            trials = lambda st: slots(step, (0, None, None, 0))(
-                st, opts, shared, batched
+        def collect(states, h, ids, out, at):
+            """The finished fits' outputs into rows `at`, ... of `out`. Not their
+            Jacobians (a scatter of every slot's at every turn cost more than the
+            turn), but their normal equations `h`; with `MinpackQR`, which has
+            none, the Jacobians."""
+            done = (states.info != 0) & (ids >= 0)
+            to = jnp.where(done, at + jnp.cumsum(done, dtype=i32) - 1, rows)
+            new = dict(
+                id=ids,
+                x=states.x,
+                cost=0.5 * states.fnorm**2,
+                nfev=states.nfev,
+                njev=states.njev,
+                info=states.info,
             )
-        states = _lm.advance(trials, states, turns)
-        if not normal:
-            return states, slots(lambda st: dls.outputs(st, serial), (0,))(states)
-        # The covariance from the normal equations, where well conditioned (else
-        # `full` is False and the host computes it from the Jacobian's SVD): an SVD
-        # of every slot at every visit cost more than the fits' turns.
-        cost = 0.5 * states.fnorm**2
-        cov, full = _normal.covariance(states.jac, cost)
-        return states, dls.finished(states, cost, cov, full)
+            if normal:
+                new.update(scale=states.diag, gram=_triangle(h))
+            else:
+                new.update(jac=states.jac)
+            out = {key: out[key].at[to].set(new[key], mode="drop") for key in out}
+            return jnp.where(done, -1, ids), out, at + jnp.sum(done, dtype=i32)
 
-    def fit(states, fresh, x0s, turns, opts, leaves):
+        def body(carry):
+            states, ids, data, taken, out, at = carry
+            h, b = equations(states)
+            ids, out, at = collect(states, h, ids, out, at)
+            free = ids < 0
+            order = taken + jnp.cumsum(free, dtype=i32) - 1
+            new = free & (order < count)
+            pick = jnp.clip(order, 0, queue - 1)
+            ids = jnp.where(new, ids_q[pick], ids)
+            data = [
+                jnp.where(new.reshape(-1, *[1] * (a.ndim - 1)), q[pick], a)
+                for q, a in zip(batched, data, strict=True)
+            ]
+            states, steps = trial_steps(states, h, b)
+            states = turn(states, steps, new, x0s[pick], opts, shared, data)
+            return states, ids, data, taken + jnp.sum(new, dtype=i32), out, at
+
+        def running(carry):
+            # The last call runs until every fit is collected: a turn after the
+            # last one finished (a fit that finished at the last turn of another
+            # call is collected at the first turn of the next).
+            _, ids, _, taken, _, _ = carry
+            return (taken < count) | (last & jnp.any(ids >= 0))
+
+        like = lambda a: jnp.zeros((rows, *a.shape[1:]), a.dtype)
+        out = dict(
+            id=jnp.full(rows, -1, i32),
+            x=like(states.x),
+            cost=like(states.fnorm),
+            nfev=like(states.nfev),
+            njev=like(states.njev),
+            info=like(states.info),
+        )
+        n = states.x.shape[1]
+        if normal:
+            gram = jnp.zeros((rows, n * (n + 1) // 2), states.x.dtype)
+            out.update(scale=like(states.x), gram=gram)
+        else:
+            out.update(jac=like(states.jac))
+        zero = jnp.zeros((), i32)
+        carry = (states, ids, data, zero, out, zero)
+        states, ids, data, _, out, _ = jax.lax.while_loop(running, body, carry)
+        # The covariance of each finished fit, once: from the normal equations where
+        # well conditioned (else `full` is False and the host computes it from the
+        # Jacobian's SVD), or from an SVD (`MinpackQR`, as the single device fit).
+        if normal:
+            h = _untriangle(out["gram"], n)
+            m = states.f.shape[1]
+            cov, full = _normal.covariance(h, out["scale"], out["cost"], m)
+        else:
+            cov, full = jax.vmap(lambda j, c: dls.covariance(j, c, serial))(
+                out["jac"], out["cost"]
+            )
+        return _Slots(states, ids, data), dict(out, cov=cov, full=full)
+
+    def fit(slots, x0s, ids, counts, last, opts, leaves):
         shared, batched = leaves[:n_shared], leaves[n_shared:]
         if n_devices == 1:
-            return many(states, fresh, x0s, turns, opts, shared, batched)
+            # (As arrays: the queue is indexed by traced values.)
+            slots, x0s, ids, counts, batched = jax.tree.map(
+                jnp.asarray, (slots, x0s, ids, counts, batched)
+            )
+            return many(slots, x0s, ids, counts, last, opts, shared, batched)
         mesh = jax.sharding.Mesh(np.array(jax.devices()[:n_devices]), ("batch",))
         spec, rep = jax.sharding.PartitionSpec("batch"), jax.sharding.PartitionSpec()
-        # Each device runs its own loop over its own slots.
+        # Each device runs its own loop over its own slots and its own queue.
         return jax.shard_map(
             many,
             mesh=mesh,
-            in_specs=(spec, spec, spec, rep, rep, rep, spec),
+            in_specs=(spec, spec, spec, spec, rep, rep, rep, spec),
             out_specs=spec,
             check_vma=False,
-        )(states, fresh, x0s, turns, opts, shared, batched)
+        )(slots, x0s, ids, counts, last, opts, shared, batched)
 
     return fit
+
+
+def _triangle(h: list) -> jax.Array:
+    """The lower triangle of `h` (`_normal.gram`'s, entries over the lanes) as one
+    array, the lanes first: `(K, n (n + 1) / 2)`, row after row."""
+    return jnp.stack([x for row in h for x in row], axis=-1)
+
+
+def _untriangle(tri: jax.Array, n: int) -> list:
+    """`_triangle`'s inverse."""
+    it = iter(tri[:, j] for j in range(tri.shape[1]))
+    return [[next(it) for _ in range(i + 1)] for i in range(n)]
 
 
 def _over_slots(fn: Callable, in_axes: tuple, one_by_one: bool) -> Callable:

@@ -215,11 +215,17 @@ def _unpack(packed: np.ndarray, n: int, n_history: int) -> dict:
 
 def outputs(state: _lm.State, serial: bool = False) -> dict:
     """What the host needs of one finished fit. The covariance is computed here, on
-    the device, as `from_jacobian` computes it for a Jacobian of full rank (an SVD
-    of the column-scaled Jacobian); `full` says whether it has full rank, and the
-    host computes it again (naming the undetermined directions) where not.
-    `serial`: under `vmap`, the SVDs one at a time (`_lm.one_at_a_time`)."""
-    jac = state.jac
+    the device (`covariance`)."""
+    cost = 0.5 * state.fnorm**2
+    return finished(state, cost, *covariance(state.jac, cost, serial))
+
+
+def covariance(jac, cost, serial: bool = False):
+    """`(cov, full)` of a fit with the Jacobian `jac` and the cost `cost`, as
+    `from_jacobian` computes it for a Jacobian of full rank (an SVD of the
+    column-scaled Jacobian); `full` says whether it has full rank, and the host
+    computes it again (naming the undetermined directions) where not. `serial`:
+    under `vmap`, the SVDs one at a time (`_lm.one_at_a_time`)."""
     m, n = jac.shape
     d = jnp.sqrt(jnp.sum(jac * jac, axis=0))
     d = jnp.where(d > 0, d, 1.0)
@@ -228,10 +234,9 @@ def outputs(state: _lm.State, serial: bool = False) -> dict:
     cutoff = (max(m, n) * float(jnp.finfo(jac.dtype).eps)) ** 2 * jnp.max(values)
     full = jnp.all(values > jnp.maximum(cutoff, jnp.finfo(jac.dtype).tiny))
     v = vt.T
-    cost = 0.5 * state.fnorm**2
     s2 = 2.0 * cost / (m - n) if m > n else jnp.nan
     cov = s2 * (v / values) @ v.T / jnp.outer(d, d)
-    return finished(state, cost, cov, full)
+    return cov, full
 
 
 def finished(state: _lm.State, cost, cov, full) -> dict:

@@ -51,7 +51,8 @@ def gram(jac, f, diag):
     `b[i]` of `J̃ᵀ f`, for `J̃ = jac / diag`, each an array over the lanes. `jac`
     `(m, n, K)`, `f` `(m, K)`, `diag` `(n, K)`: the lanes last, so that every
     operation below is one contiguous vector operation (a loop over the residuals
-    carrying the sums was 3x slower). Above `lm._IN_ORDER` residuals, XLA's dot."""
+    carrying the sums was 3x slower, one sum over the residuals of an array of
+    every entry's products 2x). Above `lm._IN_ORDER` residuals, XLA's dot."""
     m, n = jac.shape[:2]
     js = jac / diag[None]
     if m > _lm._IN_ORDER:
@@ -120,11 +121,12 @@ def _norm2(v: list):
     return _sum([x * x for x in v])
 
 
-def lmpar(h: list, b: list, delta, par):
+def lmpar(h: list, b: list, delta, par, active):
     """`lm._lmpar` on the normal equations of every lane: `(par, a, ill)`, the
     scaled step `D p = -a` (`a` a list of arrays over the lanes). `ill`: the
     Cholesky of `J̃ᵀJ̃` has a pivot under `TOO_SMALL` eps of its diagonal (then `par`
-    and `a` are not to be used)."""
+    and `a` are not to be used). A lane not `active` (its fit has finished, or its
+    slot is empty: its step is not used) takes no turn of Moré's iteration."""
     n = len(b)
     dtype = h[0][0].dtype
     eps = jnp.finfo(dtype).eps
@@ -163,7 +165,7 @@ def lmpar(h: list, b: list, delta, par):
 
     # A lane whose step is `ill` (or Gauss–Newton) takes no turn of its own; each
     # lane's own turns are those it takes alone (its counter stops with it).
-    done = gauss_newton | ill
+    done = gauss_newton | ill | ~active
     it = jnp.zeros(delta.shape, jnp.int32)
     init = (par, parl, paru, fp, a_gn, done, it)
     par, _, _, _, a, _, _ = jax.lax.while_loop(lambda c: ~jnp.all(c[5]), turn, init)
@@ -172,15 +174,18 @@ def lmpar(h: list, b: list, delta, par):
     return par, a, ill
 
 
-def steps(states: _lm.State) -> tuple[_lm.Step, jax.Array]:
-    """Every slot's trial step (`states` with a leading axis over the slots) from
-    its normal equations, and where it is `ill` (the batch then stops that fit and
-    runs it again with MINPACK's steps, `lm.minpack_step`). The slots are the
-    vector lanes: each array below has them last."""
+def equations(states: _lm.State) -> tuple[list, list]:
+    """Every slot's scaled normal equations (`gram`; `states` with a leading axis
+    over the slots). The slots are the vector lanes: each array has them last."""
     jac = jnp.moveaxis(states.jac, 0, -1)  # (m, n, K)
-    f, diag = states.f.T, states.diag.T
-    h, b = gram(jac, f, diag)
-    par, a, ill = lmpar(h, b, states.delta, states.par)
+    return gram(jac, states.f.T, states.diag.T)
+
+
+def steps(states: _lm.State, h: list, b: list) -> tuple[_lm.Step, jax.Array]:
+    """Every slot's trial step from its normal equations `h`, `b` (`equations`),
+    and where it is `ill` (the batch then stops that fit and runs it again with
+    MINPACK's steps, `lm.minpack_step`)."""
+    par, a, ill = lmpar(h, b, states.delta, states.par, states.info == 0)
     n = len(b)
     # ||J̃ a||² = aᵀ J̃ᵀJ̃ a, from the lower triangle.
     quad = [h[i][i] * a[i] * a[i] for i in range(n)] + [
@@ -200,30 +205,31 @@ def steps(states: _lm.State) -> tuple[_lm.Step, jax.Array]:
 COV_TOO_SMALL = 1e8
 
 
-def covariance(jac, cost):
-    """Every slot's covariance `s² (JᵀJ)⁻¹` (`jac` `(K, m, n)`, `cost` `(K,)`), as
-    `lm`'s device fit computes it from an SVD, here from the Cholesky factor of the
-    column-scaled normal equations over the lanes; and `full`: whether every pivot
-    is above `COV_TOO_SMALL` eps of its diagonal (else the covariance is not to be
-    used: the caller computes it from the Jacobian)."""
-    k, m, n = jac.shape
-    # XLA's dot (once per visit of the host: a small program to compile).
-    hh = jnp.moveaxis(jnp.einsum("kri,krj->kij", jac, jac), 0, -1)
-    h = [[hh[i, j] for j in range(i + 1)] for i in range(n)]
-    d = [jnp.sqrt(h[i][i]) for i in range(n)]
-    d = [jnp.where(x > 0, x, 1.0) for x in d]
-    hs = [[h[i][j] / (d[i] * d[j]) for j in range(i + 1)] for i in range(n)]
+def covariance(h: list, scale, cost, m: int):
+    """Every lane's covariance `s² (JᵀJ)⁻¹`, as `lm`'s device fit computes it from an
+    SVD, here from the Cholesky factor of the normal equations `h` of the scaled
+    Jacobian `J̃ = J / scale` (`gram`'s lower triangle, each entry an array over the
+    lanes; `scale` `(K, n)`, `cost` `(K,)`), each column normalised to 1; and
+    `full`: whether every pivot is above `COV_TOO_SMALL` eps of its diagonal (else
+    the covariance is not to be used: the caller computes it from the Jacobian)."""
+    n = len(h)
+    k = cost.shape[0]
+    norms = [jnp.sqrt(h[i][i]) for i in range(n)]
+    norms = [jnp.where(x > 0, x, 1.0) for x in norms]
+    hs = [[h[i][j] / (norms[i] * norms[j]) for j in range(i + 1)] for i in range(n)]
     low, pivots = cholesky(hs, 0.0)
-    eps = jnp.finfo(jac.dtype).eps
+    eps = jnp.finfo(cost.dtype).eps
     full = jnp.ones((k,), bool)
     for j in range(n):
         full = full & (pivots[j] > min(COV_TOO_SMALL * eps, 1e-3) * hs[j][j])
-    zero = jnp.zeros((k,), jac.dtype)
+    zero = jnp.zeros((k,), cost.dtype)
     inverse = [
         backward(low, forward(low, [zero + (i == j) for i in range(n)]))
         for j in range(n)
-    ]  # columns of (J̃ᵀJ̃)⁻¹
-    s2 = 2.0 * cost / (m - n) if m > n else jnp.full((k,), jnp.nan, jac.dtype)
+    ]  # columns of the normalised (J̃ᵀJ̃)⁻¹
+    # The columns of J: norms[i] * scale[i]; where J̃'s is 0, J's is taken as 1.
+    d = [jnp.where(h[i][i] > 0, norms[i] * scale[:, i], 1.0) for i in range(n)]
+    s2 = 2.0 * cost / (m - n) if m > n else jnp.full((k,), jnp.nan, cost.dtype)
     cov = jnp.stack(
         [
             jnp.stack([s2 * inverse[j][i] / (d[i] * d[j]) for j in range(n)], -1)
