@@ -294,7 +294,8 @@ def one_problem(
     grad = np.asarray(jax.block_until_ready(grad_fn(p)))
     _emit(sciflat_first_grad_s=time.perf_counter() - t)
     prior_grad = np.asarray(jax.grad(lambda x: problem.log_prior(re(x)))(p))
-    _emit(sciflat_grad=(grad + prior_grad).tolist())  # of the data's −log L
+    by_id = re(jnp.asarray(grad + prior_grad))  # `p` is in the pytree's (sorted) order
+    _emit(sciflat_grad=[float(by_id[k]) for k in ids])  # of the data's −log L
 
     # Per call, interleaved: `repeats` rounds or `seconds`, at least 3 rounds.
     sens = _amici_solver(model, 1e-8, None, sensitivities=True)
@@ -481,7 +482,11 @@ def against_amici(args: argparse.Namespace) -> None:
         print(_row(name, record, status), file=sys.stderr, flush=True)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
-    if args.amici_only:
+    _table(results, amici.__version__, args.repeats)
+
+
+def _table(results: dict[str, dict[str, Any]], version: str, repeats: int) -> None:
+    if any("amici_fd_grad" in r for r in results.values()):
         print("problem\tAMICI llh (rtol 1e-12, atol 1e-14)\tat AMICI's defaults\t")
         for name, r in results.items():
             fd = _fmt_err(_rel(r.get("amici_grad"), r.get("amici_fd_grad")))
@@ -491,7 +496,7 @@ def against_amici(args: argparse.Namespace) -> None:
             )
         return
     print(
-        f"\nAMICI {amici.__version__}; per call: medians of up to {args.repeats} "
+        f"\nAMICI {version}; per call: medians of up to {repeats} "
         "interleaved rounds at the nominal parameters\n"
     )
     print(
@@ -535,6 +540,7 @@ if __name__ == "__main__":
         help="where AMICI's built models are kept",
     )
     parser.add_argument("--json", help="also write the records to this file")
+    parser.add_argument("--from-json", help="only print the table of these records")
     parser.add_argument(
         "--amici-only", action="store_true", help="AMICI's reference values only"
     )
@@ -559,6 +565,8 @@ if __name__ == "__main__":
             args.amici_only,
             None if args.grad_tol is None else tuple(args.grad_tol),
         )
+    elif args.from_json:
+        _table(json.loads(pathlib.Path(args.from_json).read_text()), "", args.repeats)
     elif args.amici:
         against_amici(args)
     else:

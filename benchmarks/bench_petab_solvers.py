@@ -1,0 +1,181 @@
+"""Where a PEtab simulation's time goes: Diffrax solvers, root finders, tolerances and
+the batching of conditions, on a few problems of the benchmark collection.
+
+For each problem and variant, in one process, interleaved, after compilation: the
+median time of one `nll` and one `jax.grad(nll)` at the nominal parameters, the number
+of steps of each condition's solve (accepted and rejected), and the error of the llh
+against sciflat's own solve at rtol 1e-12, atol 1e-14 (which agrees with AMICI's
+converged value to 1e-11 on these problems). Variants:
+
+- `Kvaerno5, Newton`: sciflat's default (rtol 1e-8, atol 1e-10);
+- `Kvaerno3` / `Kvaerno4`, Newton: lower orders, cheaper steps, more of them;
+- `Kvaerno5, chord`: Diffrax's default root finder (`VeryChord`: the Jacobian kept
+  over the iterations of a stage);
+- `Kvaerno5, rtol 1e-6`: looser tolerances (atol 1e-8);
+- `Tsit5`: explicit, for the problems that are not stiff;
+- `conditions in turn`: the default solver, the conditions solved one after the
+  other (`jax.lax.map`) rather than in one `vmap` (where every condition takes as many
+  steps as the slowest).
+
+    python benchmarks/bench_petab_solvers.py
+    python benchmarks/bench_petab_solvers.py --problems Boehm_JProteomeRes2014 --repeats 5
+"""
+
+import argparse
+import pathlib
+import statistics
+import time
+from typing import Any
+
+import diffrax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optimistix
+
+import sciflat
+from sciflat._petab.objective import forward_sensitivities
+
+
+jax.config.update("jax_enable_x64", True)
+
+_SHARED = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "petab"
+PROBLEMS = ("Boehm_JProteomeRes2014", "Crauste_CellSystems2017", "Bruno_JExpBot2016")
+
+
+def _newton(solver: type, rtol: float, atol: float) -> Any:
+    return solver(root_finder=optimistix.Newton(rtol=rtol, atol=atol))
+
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "Kvaerno5, Newton (default)": {},
+    "Kvaerno4, Newton": {"solver": _newton(diffrax.Kvaerno4, 1e-8, 1e-10)},
+    "Kvaerno3, Newton": {"solver": _newton(diffrax.Kvaerno3, 1e-8, 1e-10)},
+    "Kvaerno5, chord": {"solver": diffrax.Kvaerno5()},
+    "Kvaerno5, rtol 1e-6": {"rtol": 1e-6, "atol": 1e-8},
+    "Tsit5 (max_steps 20000)": {"solver": diffrax.Tsit5(), "max_steps": 20_000},
+    "conditions in turn": {"in_turn": True},
+}
+
+
+def _in_turn(problem: Any) -> None:
+    """The conditions solved one after the other instead of one `vmap`."""
+    objective = problem._objective
+    ts = objective.tables.union_times
+
+    def solve_all(ext):
+        pairs = [
+            objective.initial(ext, c) for c in range(len(objective.tables.conditions))
+        ]
+        constants = jnp.stack([k for k, _ in pairs])
+        x0 = jnp.stack([x for _, x in pairs])
+        ys, ok = jax.lax.map(
+            lambda a: objective.integrate(a[0], a[1], ts), (constants, x0)
+        )
+        return ys, jnp.all(ok)
+
+    objective.solve_all = solve_all
+    objective.solve_with_sensitivities = forward_sensitivities(
+        lambda linear: objective.solve_all(objective.ext_of(linear))
+    )
+
+
+def _steps(problem: Any, model: dict[str, Any]) -> str:
+    """Accepted and rejected steps of each condition's solve, as the objective solves
+    it (its solver, tolerances and measurement times)."""
+    objective = problem._objective
+    ext = objective.ext(model)
+    ts = objective.tables.union_times
+    out = []
+    for c in range(len(objective.tables.conditions)):
+        constants, x0 = objective.initial(ext, c)
+        sol = diffrax.diffeqsolve(
+            diffrax.ODETerm(sciflat.ReactionODE(constants, objective.formulas.rhs)),
+            objective._solver,
+            t0=0.0,
+            t1=float(ts[-1]),
+            dt0=None,
+            y0=x0,
+            saveat=diffrax.SaveAt(t1=True),
+            stepsize_controller=diffrax.ClipStepSizeController(
+                diffrax.PIDController(rtol=objective._rtol, atol=objective._atol),
+                step_ts=jnp.asarray(ts[ts > 0]),
+            ),
+            max_steps=objective._max_steps,
+            throw=False,
+        )
+        out.append(
+            f"{int(sol.stats['num_accepted_steps'])}+{int(sol.stats['num_rejected_steps'])}"
+        )
+    return ", ".join(out) if len(out) < 4 else f"{out[0]}, ... ({len(out)} conditions)"
+
+
+def main(
+    problems: list[str], repeats: int, folder: pathlib.Path, variants: list[str]
+) -> None:
+    for name in problems:
+        yaml = folder / name / f"{name}.yaml"
+        ref = sciflat.petab_problem(yaml, rtol=1e-12, atol=1e-14)
+        ref_llh = float(ref.llh(ref.nominal))
+        rows, fns = {}, {}
+        for label, options in VARIANTS.items():
+            if variants and not any(label.startswith(v) for v in variants):
+                continue
+            options = dict(options)
+            in_turn = options.pop("in_turn", False)
+            problem = sciflat.petab_problem(yaml, **options)
+            if in_turn:
+                if len(problem.conditions) == 1:
+                    continue
+                _in_turn(problem)
+            p, re = sciflat.destructure(problem.nominal, dtype=jnp.float64)
+            llh_fn = jax.jit(lambda x, problem=problem, re=re: problem.nll(re(x)))
+            grad_fn = jax.jit(
+                jax.grad(lambda x, problem=problem, re=re: problem.nll(re(x)))
+            )
+            t = time.perf_counter()
+            llh = -float(llh_fn(p)) - float(problem.log_prior(problem.nominal))
+            jax.block_until_ready(grad_fn(p))
+            compile_s = time.perf_counter() - t
+            err = abs(llh - ref_llh) / abs(ref_llh) if np.isfinite(llh) else llh
+            rows[label] = {
+                "err": err,
+                "steps": _steps(problem, problem.nominal),
+                "compile": compile_s,
+            }
+            fns[label] = (llh_fn, grad_fn, p)
+        times = {(k, kind): [] for k in fns for kind in (0, 1)}
+        for _ in range(repeats):
+            for k, (llh_fn, grad_fn, p) in fns.items():
+                for kind, fn in enumerate((llh_fn, grad_fn)):
+                    t = time.perf_counter()
+                    jax.block_until_ready(fn(p))
+                    times[k, kind].append(time.perf_counter() - t)
+        print(
+            f"\n{name}: llh {ref_llh:.10f} at rtol 1e-12; medians of {repeats} rounds"
+        )
+        print(
+            "| variant | llh, ms | gradient, ms | llh rel. error | "
+            "steps (accepted+rejected) | compile, s |"
+        )
+        print("|---|---|---|---|---|---|")
+        for k, r in rows.items():
+            err = f"{r['err']:.0e}" if isinstance(r["err"], float) else str(r["err"])
+            print(
+                f"| {k} | {1e3 * statistics.median(times[k, 0]):.1f} | "
+                f"{1e3 * statistics.median(times[k, 1]):.1f} | {err} | {r['steps']} | "
+                f"{r['compile']:.0f} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--problems", nargs="*", default=list(PROBLEMS))
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--dir", default=str(_SHARED), help="the problems' folder")
+    parser.add_argument(
+        "--variants", nargs="*", default=[], help="these (label prefixes) only"
+    )
+    args = parser.parse_args()
+    main(args.problems, args.repeats, pathlib.Path(args.dir), args.variants)
