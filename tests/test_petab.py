@@ -666,3 +666,68 @@ def test_schwen_nll_is_amicis_data_llh_and_its_normal_priors():
         float(problem.llh(problem.nominal)), SCHWEN_LLH, rtol=1e-8
     )
     np.testing.assert_allclose(float(problem.log_prior(problem.nominal)), log_prior)
+
+
+LASKE = (
+    pathlib.Path(__file__).parent
+    / "data/petab/Laske_PLOSComputBiol2019/Laske_PLOSComputBiol2019.yaml"
+)
+# AMICI 1.0.1, rtol 1e-12, atol 1e-14 (the data's llh at the nominal parameters).
+LASKE_LLH = -315.90591059312095
+
+
+@pytest.mark.slow  # reads a model of 52 reactions and 29 rules with SymPy: seconds
+def test_rate_laws_are_the_symbolic_right_hand_side():
+    # The compiled right-hand side (stoichiometry times a vector of rates, the rates
+    # computed a template at a time, the 29 assignment rules first) against SymPy's
+    # own evaluation of the substituted expressions, at random positive points.
+    import sympy
+
+    from sciflat._petab.formulas import RateLaws
+    from sciflat._petab.sbml import read_sbml
+
+    ode = read_sbml(str(LASKE.parent / "model_Laske_PLOSComputBiol2019.xml"))
+    rhs = RateLaws(sympy, ode)
+    assert len(ode.rates) == 52 and len(rhs.rates.groups) < 10  # vectorised
+    sym = lambda k: sympy.Symbol(k, real=True)
+    x, k = [sym(s) for s in ode.species], [sym(c) for c in ode.constants]
+    scalar = sympy.lambdify([ode.time, x, k], list(ode.rhs), modules="numpy")
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        t, xv, kv = 1.5, rng.uniform(0.1, 1e3, len(x)), rng.uniform(0.1, 10, len(k))
+        want = np.asarray(scalar(t, xv, kv), np.float64)
+        got = np.asarray(rhs(jnp.asarray(t), jnp.asarray(xv), jnp.asarray(kv)))
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12 * abs(want).max())
+
+
+@pytest.mark.slow  # 34 species, 3 conditions, 600 steps each: tens of seconds
+def test_laske_log_likelihood_is_amicis():
+    # States of 1e8 and rates of 1e12: Diffrax's own tests of an implicit stage's
+    # convergence never passed after t = 2.66 (llh -inf after 100,000 steps).
+    problem = sciflat.petab_problem(LASKE)
+    np.testing.assert_allclose(
+        float(problem.llh(problem.nominal)), LASKE_LLH, rtol=1e-6
+    )
+
+
+@pytest.mark.slow  # compiles nll and its gradient at four tolerances: tens of seconds
+def test_check_tolerances_says_when_the_gradient_is_not_converged(tmp_path):
+    # Loose tolerances: the check solves again 1e4 times tighter, where nll is the
+    # closed form's, and says the gradient moved; at tight ones it says nothing.
+    path = small_problem(tmp_path / "loose")
+    loose = sciflat.petab_problem(path, rtol=1e-3, atol=1e-5)
+    with pytest.warns(UserWarning, match="not converged in the ODE tolerances"):
+        out = loose.check_tolerances(loose.nominal, factor=1e5)
+    assert out["sensitive"] and out["rtol"] == (1e-3, 1e-3 / 1e5)
+    np.testing.assert_allclose(out["nll"][1], small_nll(), rtol=1e-7)
+    assert out["grad_error"] > 1e-3 or out["nll_error"] > 1e-6
+    tight = sciflat.petab_problem(path, rtol=1e-10, atol=1e-12)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = tight.check_tolerances(tight.nominal)
+    assert not out["sensitive"] and out["grad_error"] < 1e-3
+    np.testing.assert_allclose(out["nll"], small_nll(), rtol=1e-8)
+    with pytest.raises(ValueError, match="`factor` must be > 1"):
+        tight.check_tolerances(tight.nominal, factor=0.5)

@@ -52,6 +52,16 @@ class SbmlOde:
     - `expressions`: what an observable formula may name besides the state and the
         constants: assignment-rule targets, as expressions of those.
     - `time`: the symbol of time.
+    - `rates`: each reaction's rate (amount per time), in `time`, the state's
+        symbols, the constants' and those of `expressions` (not substituted).
+    - `stoichiometry`: `(state index, reaction index, signed stoichiometry)` of each
+        reactant and product that is part of the state.
+    - `sizes`: per state, what its rate of change is divided by: its compartment's
+        symbol for a concentration, 1 for an amount.
+
+    `rhs[i] == sum(n * rates[r] for i, r, n in stoichiometry) / sizes[i]`, with
+    `expressions` substituted: the same right-hand side as a matrix times a vector of
+    rates, which is how it is compiled (`formulas.py`).
     """
 
     species: tuple[str, ...]
@@ -60,6 +70,9 @@ class SbmlOde:
     constants: dict[str, float]
     expressions: dict[str, Expr]
     time: sympy.Symbol
+    rates: tuple[Expr, ...] = ()
+    stoichiometry: tuple[tuple[int, int, float], ...] = ()
+    sizes: tuple[Expr, ...] = ()
 
     def symbol(self, name: str) -> sympy.Symbol:
         return sympy.Symbol(name, real=True)
@@ -309,15 +322,16 @@ def _stoichiometry(ref: Any, rid: str, rules, initial) -> Expr:
     return _number(1.0 if math.isnan(stoich) else stoich)
 
 
-def _rates(m: Any, read: Read, species: _Species, rules, initial) -> list[Expr]:
-    """dx/dt of the state: each reaction's rate times its stoichiometry, divided by
-    the compartment's size for a species held as a concentration."""
-    rates: list[Expr] = [sympy.Integer(0)] * len(species.ids)
+def _rates(m: Any, read: Read, species: _Species, rules, initial):
+    """Each reaction's rate, and `(state index, reaction index, signed
+    stoichiometry)` of each reactant and product in the state."""
+    rates: list[Expr] = []
+    entries: list[tuple[int, int, float]] = []
     index = {sid: i for i, sid in enumerate(species.ids)}
     for r in range(m.getNumReactions()):
         reaction = m.getReaction(r)
         rid = reaction.getId()
-        rate = _kinetic_law(reaction, read)
+        rates.append(_kinetic_law(reaction, read))
         for sign, n, get in (
             (-1, reaction.getNumReactants(), reaction.getReactant),
             (1, reaction.getNumProducts(), reaction.getProduct),
@@ -328,11 +342,17 @@ def _rates(m: Any, read: Read, species: _Species, rules, initial) -> list[Expr]:
                 stoich = _stoichiometry(ref, rid, rules, initial)
                 if sid not in index:
                     continue  # boundary or constant species, or a rule's target
-                change = sign * stoich * rate
-                if sid not in species.amounts:
-                    change = change / species.size_of[sid]
-                rates[index[sid]] = rates[index[sid]] + change
-    return rates
+                entries.append((index[sid], r, sign * float(stoich)))
+    return rates, entries
+
+
+def _sum_rates(n: int, rates: list[Expr], entries, sizes) -> list[Expr]:
+    """dx/dt of the state: each reaction's rate times its stoichiometry, divided by
+    the compartment's size for a species held as a concentration."""
+    out: list[list[Expr]] = [[] for _ in range(n)]
+    for i, r, stoich in entries:
+        out[i].append(_number(stoich) * rates[r])
+    return [sympy.Add(*terms) / size for terms, size in zip(out, sizes, strict=True)]
 
 
 def _ode(m: Any, read: Read) -> SbmlOde:
@@ -347,13 +367,18 @@ def _ode(m: Any, read: Read) -> SbmlOde:
     derived = {k: v for k, v in initial.items() if k in constants}
     for k in derived:
         constants.pop(k)
-    rates = _rates(m, read, species, rules, initial)
+    rates, entries = _rates(m, read, species, rules, initial)
+    sizes = [
+        sympy.Integer(1) if sid in species.amounts else species.size_of[sid]
+        for sid in species.ids
+    ]
     # Everything but the state, time and the constants, substituted away.
     known = _resolve(
         {**species.fixed, **derived, **rules}, "initial assignments and rules"
     )
     subs = {_sym(k): v for k, v in known.items()}
-    rhs = tuple(sympy.sympify(e).xreplace(subs) for e in rates)
+    summed = _sum_rates(len(species.ids), rates, entries, sizes)
+    rhs = tuple(sympy.sympify(e).xreplace(subs) for e in summed)
     x0 = _initial_state(species, subs)
     _check_model(species.ids, rhs, x0, constants)
     return SbmlOde(
@@ -363,6 +388,9 @@ def _ode(m: Any, read: Read) -> SbmlOde:
         constants=constants,
         expressions={k: sympy.sympify(v) for k, v in known.items()},
         time=_TIME,
+        rates=tuple(rates),
+        stoichiometry=tuple(entries),
+        sizes=tuple(sizes),
     )
 
 
