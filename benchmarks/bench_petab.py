@@ -15,12 +15,13 @@ more).
 
 **Against AMICI** (`--amici`; needs `amici` installed, a reference tool for benchmarks,
 never a dependency of sciflat: `apt-get install swig libopenblas-dev
-libhdf5-serial-dev`, then `pip install amici`): every problem folder (`NAME/NAME.yaml`)
-under `--dir` (default `../shared/data/petab`, beside the repository) and `--extra`
-(or `$SCIFLAT_PETAB_EXTRA`, folders separated by `:`). Each problem runs in a child
-process of its own, with a `--timeout`, so a problem that sciflat cannot solve in time
-is reported as such and the others still run. In the child, after AMICI's model and
-sciflat's problem are loaded and compiled, at the nominal parameters:
+libhdf5-serial-dev`, then `pip install amici`): every problem folder (`NAME/NAME.yaml`
+or `NAME/problem.yaml`) under `--dir` (default `../shared/data/petab`, beside the
+repository) and `--extra` (or `$SCIFLAT_PETAB_EXTRA`, folders separated by `:`). Each
+problem runs in a child process of its own, with a `--timeout`, so a problem that
+sciflat cannot solve in time is reported as such and the others still run. In the
+child, after AMICI's model and sciflat's problem are loaded and compiled, at the
+nominal parameters:
 
 - llh: sciflat's `problem.llh` with its defaults against AMICI's at rtol 1e-12, atol
   1e-14 (converged), relative error; AMICI's own at its defaults in parentheses.
@@ -168,7 +169,7 @@ def _amici_model(yaml: pathlib.Path, models: pathlib.Path, compile_: bool) -> An
         petab_problem.measurement_df
     ):  # AMICI's import needs one observable per placeholder value (as pyPESTO does)
         petab.flatten_timepoint_specific_output_overrides(petab_problem)
-    name = yaml.stem
+    name = yaml.parent.name
     model = import_petab_problem(
         petab_problem, models / name, model_name=name, compile_=compile_
     )
@@ -180,7 +181,9 @@ def build_amici(yaml: pathlib.Path, models: pathlib.Path) -> None:
     t = time.perf_counter()
     _amici_model(yaml, models, compile_=True)
     build_s = time.perf_counter() - t
-    (models / f"{yaml.stem}.build.json").write_text(json.dumps({"build_s": build_s}))
+    (models / f"{yaml.parent.name}.build.json").write_text(
+        json.dumps({"build_s": build_s})
+    )
     _emit(amici_build_s=build_s)
 
 
@@ -333,10 +336,13 @@ def _problems(dirs: list[pathlib.Path], only: list[str]) -> list[pathlib.Path]:
         if not d.is_dir():
             raise SystemExit(f"No folder {d}: give the problems' folder with --dir.")
         for sub in sorted(d.iterdir()):
-            yaml = sub / f"{sub.name}.yaml"
-            if yaml.is_file() and (not only or sub.name in only):
+            # NAME/NAME.yaml, or NAME/problem.yaml (Bertozzi_PNAS2020)
+            yamls = [sub / f"{sub.name}.yaml", sub / "problem.yaml"]
+            yaml = next((y for y in yamls if y.is_file()), None)
+            if yaml is not None and (not only or sub.name in only):
                 found.setdefault(sub.name, yaml)
-    return [found[k] for k in sorted(found)]
+    order = [k for k in only if k in found] if only else sorted(found)
+    return [found[k] for k in order]
 
 
 def _child(args: list[str], timeout: float) -> tuple[dict[str, Any], str]:
@@ -445,7 +451,7 @@ def against_amici(args: argparse.Namespace) -> None:
     models.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, Any]] = {}
     for yaml in yamls:
-        name = yaml.stem
+        name = yaml.parent.name
         built = models / f"{name}.build.json"
         if not built.is_file():
             print(f"{name}: building AMICI's model ...", file=sys.stderr, flush=True)
@@ -480,8 +486,8 @@ def against_amici(args: argparse.Namespace) -> None:
         record["status"] = status
         results[name] = record
         print(_row(name, record, status), file=sys.stderr, flush=True)
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
+        if args.json:  # after each problem: a run stopped early keeps what it measured
+            pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
     _table(results, amici.__version__, args.repeats)
 
 
@@ -526,7 +532,9 @@ if __name__ == "__main__":
     parser.add_argument(
         "--extra", help="more problem folders, ':'-separated ($SCIFLAT_PETAB_EXTRA)"
     )
-    parser.add_argument("--only", nargs="*", default=[], help="these problems only")
+    parser.add_argument(
+        "--only", nargs="*", default=[], help="these problems only, in this order"
+    )
     parser.add_argument(
         "--timeout", type=float, default=600, help="seconds per problem"
     )
