@@ -90,11 +90,13 @@ Algorithm = NormalEquations | MinpackQR
 class _Pool:
     """What a pool's compiled program is built for (`Programs`' key, with the
     residuals, `re`, the data's shapes): the number of shared leaves of `args`, of
-    devices, and the algorithm."""
+    devices, the algorithm, and whether the whole batch is one call (its slots then
+    start empty: at most the queue's fits finish in it)."""
 
     n_shared: int
     n_devices: int
     algorithm: Algorithm
+    one_call: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -443,7 +445,7 @@ def _run_pool(
     k, n = x0s.shape
     n_dev = len(devices)
     shared = split_args(args, to_device=False)[0]
-    pool = _Pool(len(shared), n_dev, algorithm)
+    pool = _Pool(len(shared), n_dev, algorithm, one_call=k <= size)
     dtype = x0s.dtype
     queue = size if k <= size else _QUEUE * size  # a multiple of `n_dev`, as `size`
     host = dict(
@@ -633,6 +635,7 @@ def _build(pool: _Pool, residuals, re, rebuild, mode: str) -> Callable:
     The covariances are computed once per finished fit, after the loop."""
     n_shared, n_devices = pool.n_shared, pool.n_devices
     normal = isinstance(pool.algorithm, NormalEquations)
+    one_call = pool.one_call
     r = dls.residual_fn(residuals, re, rebuild)
     # Several CPU devices run their loops at once on XLA's thread pool, where
     # jaxlib's batched LAPACK calls can wait on each other for ever: one matrix at a
@@ -664,7 +667,7 @@ def _build(pool: _Pool, residuals, re, rebuild, mode: str) -> Callable:
     def many(slots, x0s, ids_q, counts, last, opts, shared, batched):
         states, ids, data = slots
         size, queue = ids.shape[0], ids_q.shape[0]
-        rows = queue + size  # at most this many fits finish in one call
+        rows = queue + size * (not one_call)  # the most fits that finish in a call
         count = counts[0]
         first = lambda x: r(x, [*shared, *_member(batched, 0)])
         one_by_one = cpu and _calls_lapack(first, x0s[0])
