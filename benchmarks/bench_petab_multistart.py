@@ -186,13 +186,17 @@ def _bounds():
     return problem.bounds
 
 
-def report(paths: list[str], tol: float = 0.1) -> None:
+def report(paths: list[str], only: list[str] | None, tol: float = 0.1) -> None:
     rows = [json.loads(line) for p in paths for line in open(p) if line.strip()]
+    best = min(r["nll"] for r in rows if np.isfinite(r["nll"]))
     by = collections.defaultdict(dict)
     for r in rows:
-        by[r["variant"]][r["start"]] = r  # the last run of a start counts
-    best = min(r["nll"] for r in rows if np.isfinite(r["nll"]))
-    print(f"best -log L over all variants: {best:.6f}")
+        if only is None or r["variant"] in only:
+            by[r["variant"]][r["start"]] = r  # the last run of a start counts
+    # The starts every variant ran: the same starts for all.
+    common = set.intersection(*(set(starts) for starts in by.values()))
+    by = {v: {i: r for i, r in s.items() if i in common} for v, s in by.items()}
+    print(f"best -log L over all runs: {best:.6f}; {len(common)} starts run by all")
     print(
         "| variant | starts | within 0.1 | fraction | s per start (median) | "
         "s per start (mean) | s per start within 0.1 | stopped at the limit |"
@@ -239,9 +243,11 @@ def main(argv=None) -> None:
     add("--limit", type=float, default=60.0, help="seconds per start")
     add("--out", default="multistart.jsonl")
     add("--report", nargs="*", default=None, help="JSON-lines files to summarise")
+    add("--only", default=None, help="--report: these variants (default: all)")
     args = parser.parse_args(argv)
     if args.report is not None:
-        report(args.report or [args.out])
+        only = args.only.split(",") if args.only else None
+        report(args.report or [args.out], only)
         return
     args.variants = [v for v in args.variants.split(",") if v]
     if args.pypesto:

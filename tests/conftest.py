@@ -63,6 +63,7 @@ _LONGEST_FIRST = (
     "test_example_pinn.py",
     "test_example_parameter_estimation.py",
     "test_petab.py",
+    "test_petab_hierarchical.py",
     "test_device_least_squares.py",
     "test_quasi_newton.py",
     "test_combinations.py",

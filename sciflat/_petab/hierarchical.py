@@ -176,9 +176,6 @@ class Hierarchical:
             sigma = sigma.at[p.rows].set(unscale(scaled[k], p.scale))
         return dict(r=r, sigma=sigma, jac=jac, ok=terms["ok"], full={**full, **scaled})
 
-    def noise(self, model: dict[str, Any]) -> dict[str, Array]:
-        return {k: self.parts(model)["full"][k] for k in self.profiled}
-
     def _prior_values(self, full: dict[str, Any]) -> tuple[Array, Array]:
         objective = self.objective
         ids = objective.tables.parameters.ids
