@@ -731,3 +731,18 @@ def test_check_tolerances_says_when_the_gradient_is_not_converged(tmp_path):
     np.testing.assert_allclose(out["nll"], small_nll(), rtol=1e-8)
     with pytest.raises(ValueError, match="`factor` must be > 1"):
         tight.check_tolerances(tight.nominal, factor=0.5)
+
+
+RAIA = (
+    pathlib.Path(__file__).parent
+    / "data/petab/Raia_CancerResearch2011/Raia_CancerResearch2011.yaml"
+)
+# AMICI 1.0.1, rtol 1e-12, atol 1e-14, on this project's machine (the issue that asked
+# for Raia quotes -346.08978136).
+RAIA_LLH = -346.0897813604339
+
+
+@pytest.mark.slow  # 4 conditions, 14 species: compiles Diffrax solves, seconds
+def test_raia_noise_formulas_with_observable_parameters_give_amicis_llh():
+    problem = sciflat.petab_problem(RAIA)
+    np.testing.assert_allclose(float(problem.llh(problem.nominal)), RAIA_LLH, rtol=1e-6)
