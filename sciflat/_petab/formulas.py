@@ -196,6 +196,27 @@ class RateLaws:
         return dx / self.sizes(z)
 
 
+class _Formula:
+    """One formula as `fn(t, x, k, q, placeholders)`, lambdified in the symbols it
+    names only: those are gathered from `[t, x, k, q, placeholders]` at once. (A
+    function of every state and constant unpacks them all, one operation each, for
+    each formula: Lang et al. 2024's 30 formulas of a 124-species model with 600
+    constants were 19,000 of its 40,000 traced operations.)"""
+
+    def __init__(self, lam: Any, expr: Any, layout: Sequence[Any]):
+        where = {s: i for i, s in enumerate(layout)}
+        used = sorted(expr.free_symbols, key=str)
+        self.index = np.asarray([where[s] for s in used], np.int64)
+        self.fn = lam(used, expr)
+
+    def __call__(self, t: Any, x: Any, k: Any, q: Any, placeholders: Any) -> Any:
+        if not len(self.index):
+            return self.fn()
+        z = jnp.concatenate([jnp.reshape(t, (1,)), x, k, q, placeholders])
+        cols = z[self.index]
+        return self.fn(*(cols[i] for i in range(len(self.index))))
+
+
 def compile_formulas(sympy: Any, ode: SbmlOde, tables: Tables) -> Formulas:
     sym = lambda k: sympy.Symbol(k, real=True)
     table_ids = tables.parameters.table_ids
@@ -214,7 +235,8 @@ def compile_formulas(sympy: Any, ode: SbmlOde, tables: Tables) -> Formulas:
         ):
             where = f"Observable {oid!r}, {column}"
             expr = parse(sympy, ode, table_ids, row[column], where, names)
-            out.append(lam([t, x, k, q, [sym(nm) for nm in names]], expr))
+            layout = [t, *x, *k, *q, *(sym(nm) for nm in names)]
+            out.append(_Formula(lam, expr, layout))
     x0 = Vectorised(sympy, ode.x0, k)
     return Formulas(
         rhs=RateLaws(sympy, ode),
