@@ -14,7 +14,7 @@ CPU, where it says so and what the placement check then means.
    loss through it is in `d`, for float16, bfloat16, float32 (and float64 with x64).
 3. TF32: the error of a float32 forward pass and matmul against float64, at JAX's default
    matmul precision and at "highest" (on an Ampere+ GPU the default may use TF32).
-4. The benchmarks of issue 11 (`bench_node_step.py`, `bench_core.py`), each in a child
+4. The flat vector's cost per step (`bench_node_step.py`, `bench_core.py`), each in a child
    process with a time limit, so one slow part cannot take the whole run.
 5. Issue 14: the float32 PINN trained at DEFAULT and at HIGHEST matmul precision
    (`examples/pinn/train.py --compare-precision`): error, loss, time, and the cost of
@@ -167,7 +167,7 @@ def tf32(device) -> None:
 
 
 def benchmarks(limit_s: int) -> None:
-    print("\n## 4. Benchmarks of issue 11")
+    print("\n## 4. The flat vector's cost per step (bench_node_step, bench_core)")
     runs = [
         [
             "bench_node_step.py",
@@ -199,13 +199,13 @@ def benchmarks(limit_s: int) -> None:
 
 
 def precision_pinn(limit_s: int) -> None:
-    print("\n## 5. The float32 PINN at DEFAULT and HIGHEST matmul precision (issue 14)")
+    print("\n## 5. The float32 PINN at DEFAULT and HIGHEST matmul precision")
     train = os.path.join(HERE, "..", "examples", "pinn", "train.py")
     _child(train, ["--compare-precision", "--steps", "2000"], limit_s)
 
 
 def many_fits(limit_s: int) -> None:
-    print("\n## 6. Many fits as one program (issue 19)")
+    print("\n## 6. Many fits as one program")
     bench = os.path.join(HERE, "bench_many_fits.py")
     ks = ["1000", "10000", "100000", "1000000"]
     _child(bench, ["--many", "--ks", *ks, "--loop", "50"], 2 * limit_s)
@@ -213,7 +213,7 @@ def many_fits(limit_s: int) -> None:
 
 
 def record_pinn(limit_s: int) -> None:
-    print("\n## 7. A short record configuration: SSBroyden on the PINN (issue 20)")
+    print("\n## 7. A short record configuration: SSBroyden on the PINN")
     train = os.path.join(HERE, "..", "examples", "pinn", "train.py")
     args = ["--record", "--adam-steps", "500", "--steps", "2000", "--out", ""]
     _child(train, args, limit_s)
