@@ -43,6 +43,7 @@ if typing.TYPE_CHECKING:
         ReactionODE as ReactionODE,
         petab_problem as petab_problem,
     )
+    from ._petab.rosenbrock import Rodas5P as Rodas5P
     from ._profile import (
         Profile as Profile,
         ProfileInterval as ProfileInterval,
@@ -71,6 +72,7 @@ _LAZY = {
     "PetabProblem": "._petab.problem",
     "HierarchicalProblem": "._petab.hierarchical",
     "ReactionODE": "._petab.problem",
+    "Rodas5P": "._petab.rosenbrock",
     "profile": "._profile",
     "Profile": "._profile",
     "ProfileInterval": "._profile",
