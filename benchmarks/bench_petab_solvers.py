@@ -11,6 +11,8 @@ converged value to 1e-11 on these problems). Variants:
   method, converged when its correction of the state is within the step's tolerance;
 - `Kvaerno5, Newton`: `optimistix.Newton` (a Jacobian per iteration; its residual
   tested against `atol`), the default before;
+- `Rodas5P`: `sciflat.Rodas5P`, a Rosenbrock method (one Jacobian and one LU per
+  step, no iteration);
 - `Kvaerno3` / `Kvaerno4`, Newton: lower orders, cheaper steps, more of them;
 - `Kvaerno5, chord`: Diffrax's default root finder (`VeryChord`: the Jacobian kept
   over the iterations of a stage, converged in the vector field's scale);
@@ -53,6 +55,7 @@ def _newton(solver: type, rtol: float, atol: float) -> Any:
 VARIANTS: dict[str, dict[str, Any]] = {
     "Kvaerno5, StageChord (default)": {},
     "Kvaerno5, Newton": {"solver": _newton(diffrax.Kvaerno5, 1e-8, 1e-10)},
+    "Rodas5P": {"solver": sciflat.Rodas5P()},
     "Kvaerno4, Newton": {"solver": _newton(diffrax.Kvaerno4, 1e-8, 1e-10)},
     "Kvaerno3, Newton": {"solver": _newton(diffrax.Kvaerno3, 1e-8, 1e-10)},
     "Kvaerno5, chord": {"solver": diffrax.Kvaerno5()},
