@@ -407,16 +407,16 @@ def test_device_fits_compute_in_the_dtype_of_p(dtype):
     from sciflat._device import batch as b
 
     k = 4
-    states = sciflat._solver.lm.empty_states(k, 2, 12, dtype)
     ids, counts = np.arange(k, dtype=np.int32), np.array([k], np.int32)
     x0s = np.tile(np.array([1.0, 0.5], dtype), (k, 1))
     shared, rebuild = sciflat._fitting.problem.split_args((x,))
     ys = [np.tile(y, (k, 1))]
     for algorithm in (sciflat.NormalEquations(), sciflat.MinpackQR()):
         pool = b._Pool(1, 1, algorithm)
+        states = b._empty_states(k, 2, 12, dtype, algorithm)
         both = lambda leaves: (*rebuild(leaves[:1]), *leaves[1:])
         fit = b._build(pool, _decay, re, both, "forward")
-        run = lambda x0s, ys, fit=fit: tuple(
+        run = lambda x0s, ys, fit=fit, states=states: tuple(
             jax.tree.leaves(
                 fit(
                     b._Slots(states, -1 - ids, ys),
@@ -532,6 +532,75 @@ def test_lmpar_meets_the_radius_as_minpack_asks():
         else:
             assert abs(float(jnp.linalg.norm(a)) - delta) <= 0.1 * delta
             np.testing.assert_allclose(a, s * g / (s**2 + par), rtol=1e-12)
+
+
+@pytest.mark.parametrize("m", [12, 80])
+def test_the_batch_keeps_of_an_evaluation_what_minpack_reads_of_it(m):
+    """`normal.moments`, from which the batch's normal equations and MINPACK's tests
+    come (it carries no Jacobian from turn to turn): `JᵀJ`, `Jᵀf` and
+    `lm._measure`'s norms, cosine and finiteness of each slot, against NumPy and
+    `lm._measure` on each slot alone; a NaN or an inf anywhere is not finite, a
+    finite square that overflows is (as `lm._measure`)."""
+    from sciflat._solver import normal as _normal
+
+    rng = np.random.default_rng(0)
+    k, n = 5, 3
+    jac = rng.standard_normal((k, m, n))
+    f = rng.standard_normal((k, m))
+    jac[1, 4, 2], f[2, 7], jac[3, 0, 0] = np.nan, np.inf, 1e200
+    measure, g, a = jax.jit(_normal.moments)(jnp.asarray(f), jnp.asarray(jac))
+    lower = np.tril_indices(n)
+    for i in range(k):
+        alone = _lm._measure(jnp.asarray(f[i]), jnp.asarray(jac[i]))
+        assert bool(measure.ok[i]) == bool(alone.ok) == (i not in (1, 2))
+        if i in (1, 2):
+            continue
+        np.testing.assert_allclose(measure.fnorm[i], alone.fnorm, rtol=1e-14)
+        if i == 3:  # the overflowing square: finite all the same, its norm huge
+            assert float(measure.cols[i, 0]) >= float(alone.cols[0]) > 1e150
+            continue
+        np.testing.assert_allclose(measure.cols[i], alone.cols, rtol=1e-14)
+        np.testing.assert_allclose(measure.gnorm[i], alone.gnorm, rtol=1e-13)
+        np.testing.assert_allclose(g[i], jac[i].T @ f[i], rtol=1e-12, atol=1e-13)
+        gram = jac[i].T @ jac[i]
+        np.testing.assert_allclose(a[i], gram[lower], rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.slow  # two batch programs of 80 residuals, ~6 s on 2 loaded cores
+def test_a_batch_of_many_residuals_equals_its_single_fits():
+    """The batch sums `JᵀJ` by XLA's dot (`normal.moments`), whose order is its own:
+    with 80 residuals (above `lm._sum`'s 64 in order) each fit of a batch still
+    equals the same fit run alone (a batch of one) to the bit, and MINPACK's single
+    device fit to the digits the data determine."""
+    rng = np.random.default_rng(3)
+    x = np.linspace(0.0, 4.0, 80)
+    ys = 2.0 * np.exp(-0.7 * x) + 0.05 * rng.standard_normal((6, 80))
+    starts = np.array([1.0, 0.5]) * rng.uniform(0.5, 2.0, (6, 2))
+    run = lambda ys, starts: sciflat.least_squares_batch(
+        _decay,
+        {"a": 1.0, "k": 0.5},
+        args=(x,),
+        batch_args=(ys,),
+        starts=starts,
+        progress=False,
+    )
+    batch = run(ys, starts)
+    assert len({int(e) for e in batch.n_evaluations}) > 1
+    for i in (0, 3, 5):
+        alone = run(ys[i : i + 1], starts[i : i + 1])
+        np.testing.assert_array_equal(batch.p[i], alone.p[0])
+        np.testing.assert_array_equal(batch.n_evaluations[i], alone.n_evaluations[0])
+        single = sciflat.least_squares(
+            _decay,
+            dict(zip("ak", map(float, starts[i]), strict=True)),
+            args=(x, ys[i]),
+            method="device",
+            progress=False,
+        )
+        np.testing.assert_allclose(batch.p[i], single.p, rtol=1e-8)
+        np.testing.assert_allclose(
+            batch.stderr_flat[i], single.uncertainty.stderr, rtol=1e-6
+        )
 
 
 @pytest.mark.slow  # another compilation (the batch of starts), ~3 s

@@ -11,7 +11,7 @@ loop on its own queue). Memory is K · m · n (the Jacobians), never K².
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, NamedTuple, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -474,7 +474,7 @@ def _run_pool(
         if slots is None:
             # Empty slots (finished, holding no fit) with the first queued fit's data.
             slots = _Slots(
-                _lm.empty_states(size, n, m, dtype),
+                _empty_states(size, n, m, dtype, algorithm),
                 np.full(size, -1, np.int32),
                 [a[np.zeros(size, int)] for a in split_args(part, False)[0]],
             )
@@ -507,6 +507,16 @@ def _run_pool(
         jac = _jacobians(fits, used, host["x"], which)
         jacs.update(zip(which.tolist(), jac, strict=True))
     return dict(host, jac=jacs, m=m), how
+
+
+def _empty_states(k: int, n: int, m: int, dtype, algorithm: Algorithm) -> _lm.State:
+    """`_lm.empty_states`; with the normal equations, each slot's `f` and `jac` hold
+    `Jᵀf` and the lower triangle of `JᵀJ` (`_normal.moments`)."""
+    states = _lm.empty_states(k, n, m, dtype)
+    if isinstance(algorithm, MinpackQR):
+        return states
+    zeros = lambda *shape: cast(jax.Array, np.zeros((k, *shape), dtype))
+    return states._replace(f=zeros(n), jac=zeros(n * (n + 1) // 2))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -661,6 +671,29 @@ def _build(pool: _Pool, residuals, re, rebuild, mode: str) -> Callable:
         moved = _lm.accepted(state, step, x_new, f, jac, opts)
         return jax.tree.map(lambda a, b: jnp.where(new, a, b), start, moved)
 
+    def normal_turn(over_slots, states, steps, new, x0, opts, shared, data):
+        """Every slot's turn with the normal equations: the trial points (or new
+        fits' starts) evaluated, what each fit keeps of its
+        evaluation summed in one pass (`_normal.moments`: `Jᵀf`, `JᵀJ`, the norms),
+        then `_lm.started` and `_lm.accepted` slot by slot on those few numbers. No
+        Jacobian is carried from turn to turn, transposed or copied."""
+        x_new = jax.vmap(_lm.trial_point)(states, steps)
+        x = jnp.where(new[:, None], x0, x_new)
+
+        def both(x, batched):
+            return dls.with_jacobian(lambda x: r(x, [*shared, *batched]), mode)(x)
+
+        f, jac = over_slots(both, (0, 0))(x, data)
+        measure, g, a = _normal.moments(f, jac)
+        start = jax.vmap(lambda x, g, a, ms: _lm.started(x, g, a, opts, 1, ms))
+        move = jax.vmap(
+            lambda st, stp, x, g, a, ms: _lm.accepted(st, stp, x, g, a, opts, ms)
+        )
+        pick = lambda u, v: jnp.where(new.reshape(-1, *[1] * (u.ndim - 1)), u, v)
+        return jax.tree.map(
+            pick, start(x0, g, a, measure), move(states, steps, x_new, g, a, measure)
+        )
+
     def trial_steps(states, h, b):
         """Every slot's step. With the normal equations (`h`, `b`), a slot where
         they are ill-conditioned stops (`_NEEDS_QR`: the host runs its fit again
@@ -721,7 +754,12 @@ def _build(pool: _Pool, residuals, re, rebuild, mode: str) -> Callable:
                 for q, a in zip(batched, data, strict=True)
             ]
             states, steps = trial_steps(states, h, b)
-            states = turn(states, steps, new, x0s[pick], opts, shared, data)
+            if normal:
+                states = normal_turn(
+                    over_slots, states, steps, new, x0s[pick], opts, shared, data
+                )
+            else:
+                states = turn(states, steps, new, x0s[pick], opts, shared, data)
             return states, ids, data, taken + jnp.sum(new, dtype=i32), out, at
 
         def running(carry):
@@ -754,7 +792,7 @@ def _build(pool: _Pool, residuals, re, rebuild, mode: str) -> Callable:
         # Jacobian's SVD), or from an SVD (`MinpackQR`, as the single device fit).
         if normal:
             h = _untriangle(out["gram"], n)
-            m = states.f.shape[1]
+            m = jax.eval_shape(first, x0s[0]).shape[0]
             cov, full = _normal.covariance(h, out["scale"], out["cost"], m)
         else:
             cov, full = jax.vmap(lambda j, c: dls.covariance(j, c, serial))(
@@ -785,7 +823,7 @@ def _build(pool: _Pool, residuals, re, rebuild, mode: str) -> Callable:
 
 
 def _triangle(h: list) -> jax.Array:
-    """The lower triangle of `h` (`_normal.gram`'s, entries over the lanes) as one
+    """The lower triangle of `h` (`_normal.equations`', entries over the slots) as one
     array, the lanes first: `(K, n (n + 1) / 2)`, row after row."""
     return jnp.stack([x for row in h for x in row], axis=-1)
 

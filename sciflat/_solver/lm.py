@@ -273,11 +273,15 @@ def initial_state(f_and_jac: Callable, x0, options: Options, history: int) -> St
     return started(x0, f, jac, options, history)
 
 
-def started(x0, f, jac, options: Options, history: int) -> State:
+def started(
+    x0, f, jac, options: Options, history: int, measure: _Measure | None = None
+) -> State:
     """The state of a fit at its start `x0`, whose residuals `f` and Jacobian `jac`
     are given (`initial_state` evaluates them; a batch evaluates a new fit's start
-    in the same pass as the other slots' trial points)."""
-    ok, fnorm, cols, gnorm = _measure(f, jac)
+    in the same pass as the other slots' trial points). Where `measure` (what
+    `_measure` reads of them) is given, `f` and `jac` are only carried: a batch with
+    the normal equations keeps `Jᵀf` and `JᵀJ` there instead (`normal.moments`)."""
+    ok, fnorm, cols, gnorm = _measure(f, jac) if measure is None else measure
     from_jac = jnp.where(cols > 0, cols, 1.0)
     fixed = jnp.any(options.diag > 0)
     diag = jnp.where(fixed, options.diag, from_jac)
@@ -344,15 +348,22 @@ def trial_point(state: State, step: Step):
 
 
 def accepted(
-    state: State, step: Step, x_new, f_new, jac_new, options: Options
+    state: State,
+    step: Step,
+    x_new,
+    f_new,
+    jac_new,
+    options: Options,
+    measure: _Measure | None = None,
 ) -> State:
     """`accept` with the trial point's residuals `f_new` and Jacobian `jac_new`
-    given."""
+    given (and what `_measure` reads of them, where `measure` is given: `started`)."""
     running = state.info == 0
     first = state.njev == 1  # MINPACK's `iter == 1`: no step accepted yet
     par, pnorm = step.par, step.pnorm
     delta = jnp.where(first, jnp.minimum(state.delta, pnorm), state.delta)
-    ok, fnorm1, cols1, gnorm1 = _measure(f_new, jac_new)
+    measure = _measure(f_new, jac_new) if measure is None else measure
+    ok, fnorm1, cols1, gnorm1 = measure
     fnorm1 = jnp.where(ok, fnorm1, jnp.inf)
     fnorm = state.fnorm
     fsafe = jnp.where(fnorm > 0, fnorm, 1.0)

@@ -6,8 +6,9 @@ batch of small fits far more than the arithmetic they do. This computes the same
 step (in exact arithmetic) from the normal equations of the scaled Jacobian
 `J̃ = J D⁻¹`: `(J̃ᵀJ̃ + par I) a = J̃ᵀ f`, each solved by a Cholesky factorisation
 whose loops over the `n` parameters are unrolled at trace time, every entry an array
-over the fits (the slots of a batch, last: contiguous vector lanes), so that no
-LAPACK call is left in the loop.
+over the fits (the slots of a batch: vector lanes), so that no LAPACK call is left
+in the loop. A batch keeps of each evaluation only `JᵀJ`, `Jᵀf` and the norms
+MINPACK reads (`moments`), not the Jacobian.
 
 Moré's Newton iteration on `||a(par)|| = delta` is kept as `lm._lmpar` has it: its
 derivative needs `||L⁻¹ a||`, one more triangular solve. The normal equations square
@@ -44,33 +45,6 @@ def _sum(terms: list) -> jax.Array:
 def _uncontracted(t) -> jax.Array:
     huge = _lm._huge(t)
     return jnp.where(t > huge, huge, t)
-
-
-def gram(jac, f, diag):
-    """The scaled normal equations of every lane: `h[i][j]` (`j <= i`) of `J̃ᵀJ̃` and
-    `b[i]` of `J̃ᵀ f`, for `J̃ = jac / diag`, each an array over the lanes. `jac`
-    `(m, n, K)`, `f` `(m, K)`, `diag` `(n, K)`: the lanes last, so that every
-    operation below is one contiguous vector operation (a loop over the residuals
-    carrying the sums was 3x slower, one sum over the residuals of an array of
-    every entry's products 2x). Above `lm._IN_ORDER` residuals, XLA's dot."""
-    m, n = jac.shape[:2]
-    js = jac / diag[None]
-    if m > _lm._IN_ORDER:
-        # XLA's dot (a program of any `m` to compile, not m · n² operations).
-        both = jnp.einsum("rik,rjk->ijk", js, jnp.concatenate([js, f[:, None]], 1))
-        h = [[both[i, j] for j in range(i + 1)] for i in range(n)]
-        return h, [both[i, n] for i in range(n)]
-    cols = [[js[r, i] for r in range(m)] for i in range(n)]
-    fs = [f[r] for r in range(m)]
-    h = [
-        [
-            _sum([a * b for a, b in zip(cols[i], cols[j], strict=True)])
-            for j in range(i + 1)
-        ]
-        for i in range(n)
-    ]
-    b = [_sum([a * b for a, b in zip(cols[i], fs, strict=True)]) for i in range(n)]
-    return h, b
 
 
 def cholesky(h: list, par):
@@ -174,11 +148,53 @@ def lmpar(h: list, b: list, delta, par, active):
     return par, a, ill
 
 
+def pairs(n: int) -> list[tuple[int, int]]:
+    """The lower triangle's entries `(i, j)`, `j <= i`, row after row."""
+    return [(i, j) for i in range(n) for j in range(i + 1)]
+
+
+def moments(f, jac) -> tuple[_lm._Measure, jax.Array, jax.Array]:
+    """What a fit keeps of an evaluation, every slot's at once: `(measure, g, a)`,
+    `lm._measure`'s reading of it (finiteness, norms, `gnorm`), `g = Jᵀf` `(K, n)`
+    and the lower triangle of `JᵀJ` `(K, n (n + 1) / 2)` (`pairs`), from `f` `(K, m)`
+    and `jac` `(K, m, n)`.
+
+    One pass over the Jacobian, XLA's dot of each slot's `[J f]` with itself, so
+    that the batch carries `n (n + 3) / 2` numbers a fit from turn to turn rather
+    than its `m · n` Jacobian (the scaled normal equations follow from them:
+    `equations`). The dot computes each slot's products alone, the same bits for
+    any number of slots (tested). Every entry has `x * 0` added first, as in
+    `lm._measure`: a square is NaN exactly where `x` is not finite."""
+    n = jac.shape[-1]
+    both = jnp.concatenate([jac, f[..., None]], axis=-1)
+    both = both + both * 0
+    full = jnp.einsum("krp,krq->kpq", both, both)
+    squares = jnp.stack([full[:, i, i] for i in range(n)], axis=-1)  # (K, n)
+    fsq = full[:, n, n]
+    ok = ~jnp.isnan(fsq) & ~jnp.any(jnp.isnan(squares), axis=-1)
+    fnorm, cols = jnp.sqrt(fsq), jnp.sqrt(squares)
+    g = full[:, n, :n]
+    # MINPACK's `gnorm` (`lm._gnorm`): the largest cosine of `f` and a column.
+    live = (cols > 0) & (fnorm[:, None] > 0)
+    safe = jnp.where(live, cols * fnorm[:, None], 1.0)
+    gnorm = jnp.max(jnp.where(live, jnp.abs(g) / safe, 0.0), axis=-1)
+    a = jnp.stack([full[:, i, j] for i, j in pairs(n)], axis=-1)
+    return _lm._Measure(ok, fnorm, cols, gnorm), g, a
+
+
 def equations(states: _lm.State) -> tuple[list, list]:
-    """Every slot's scaled normal equations (`gram`; `states` with a leading axis
-    over the slots). The slots are the vector lanes: each array has them last."""
-    jac = jnp.moveaxis(states.jac, 0, -1)  # (m, n, K)
-    return gram(jac, states.f.T, states.diag.T)
+    """Every slot's scaled normal equations `h` (`J̃ᵀJ̃`, lower triangle) and `b`
+    (`J̃ᵀ f`) for `J̃ = J D⁻¹`, from what the slots keep of their last accepted
+    evaluation (`moments`: `states.jac` holds `JᵀJ`, `states.f` `Jᵀf`), each entry an
+    array over the slots."""
+    n = states.x.shape[1]
+    d = [states.diag[:, i] for i in range(n)]
+    at = {ij: k for k, ij in enumerate(pairs(n))}
+    h = [
+        [states.jac[:, at[i, j]] / d[i] / d[j] for j in range(i + 1)] for i in range(n)
+    ]
+    b = [states.f[:, i] / d[i] for i in range(n)]
+    return h, b
 
 
 def steps(states: _lm.State, h: list, b: list) -> tuple[_lm.Step, jax.Array]:
@@ -208,7 +224,7 @@ COV_TOO_SMALL = 1e8
 def covariance(h: list, scale, cost, m: int):
     """Every lane's covariance `s² (JᵀJ)⁻¹`, as `lm`'s device fit computes it from an
     SVD, here from the Cholesky factor of the normal equations `h` of the scaled
-    Jacobian `J̃ = J / scale` (`gram`'s lower triangle, each entry an array over the
+    Jacobian `J̃ = J / scale` (`equations`' lower triangle, each entry an array over the
     lanes; `scale` `(K, n)`, `cost` `(K,)`), each column normalised to 1; and
     `full`: whether every pivot is above `COV_TOO_SMALL` eps of its diagonal (else
     the covariance is not to be used: the caller computes it from the Jacobian)."""
