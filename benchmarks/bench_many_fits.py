@@ -30,9 +30,9 @@ Five tables (docs/many_fits.md):
 
     python benchmarks/bench_many_fits.py --runtime --repeats 300
 
-5. `--floor`: the least one turn of a batch costs a slot with MINPACK's algorithm
-   (its residuals and Jacobian, LAPACK's QR and SVD, each timed alone at the pool's
-   size), from which the best ratio against lmfit's loop follows.
+5. `--floor`: what one turn of a batch costs a slot, piece by piece (the residuals
+   and Jacobian, `JᵀJ` and `Jᵀf`, the step, the acceptance; and MINPACK's QR and SVD
+   for comparison), each timed alone at the pool's size.
 
     python benchmarks/bench_many_fits.py --floor --repeats 20
 
@@ -47,6 +47,12 @@ Five tables (docs/many_fits.md):
    algorithm: the digits, and which fits were run again with `MinpackQR`.
 
     python benchmarks/bench_many_fits.py --nist-batch
+
+8. `--evaluations --ks K --loop N`: why a spot takes its evaluations: the batch at
+   sciflat's tolerances and at lmfit's, MINPACK (`leastsq`, exact Jacobian) and
+   lmfit's loop on the first N spots, and what the fits at `max_nfev` reach.
+
+    python benchmarks/bench_many_fits.py --evaluations --ks 10000 --loop 300
 
 Each figure is a median over `--repeats` (the batch: `--batch-repeats`) runs in one
 process; on a shared machine the ratios move by tens of percent: say so with them.
@@ -80,15 +86,18 @@ def _lmfit(residuals_np, names, start, data, max_nfev=None):
     return lmfit.minimize(residuals_np, params, args=data, max_nfev=max_nfev)
 
 
-def _medians(calls: dict, repeats: int) -> dict[str, float]:
+def _medians(calls: dict, repeats: int, clock=time.perf_counter) -> dict[str, float]:
     """Seconds of each call (`jax.block_until_ready` of what it returns), the calls
-    interleaved `repeats` times, medians."""
+    interleaved `repeats` times, medians (`clock`: wall time, or the process's CPU
+    time, `time.process_time`)."""
     times: dict[str, list[float]] = {key: [] for key in calls}
+    for call in calls.values():
+        jax.block_until_ready(call())  # compiled
     for _ in range(repeats):
         for key, call in calls.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             jax.block_until_ready(call())
-            times[key].append(time.perf_counter() - t0)
+            times[key].append(clock() - t0)
     return {key: statistics.median(v) for key, v in times.items()}
 
 
@@ -270,45 +279,62 @@ def _batch(case: dict, **kwargs) -> sciflat.BatchResult:
     )
 
 
+# lmfit's own defaults for `leastsq`, for the spots' same-tolerance row.
+LMFIT_TOLERANCES = dict(ftol=1.5e-8, xtol=1.5e-8, gtol=0.0)
+
+
 def many(cases: list[str], ks: list[int], loop: int, repeats: int, chunk) -> None:
+    """Each K: the batch (sciflat's defaults; for the spots also at lmfit's
+    tolerances), and the loops of `loop` fits timed after each repeat of the batches,
+    in one process; medians of `repeats`."""
     print(f"JAX devices: {jax.devices()}")
     for name in cases:
         make = misra_case if name == "misra" else spot_case
-        rng = np.random.default_rng(0)
-        loop_case = make(loop, rng)
-        per = loop_per_fit(loop_case, loop, repeats)  # medians of `repeats` loops
+        loop_case = make(loop, np.random.default_rng(0))
+        print(f"\n### {name}: options {case_options(name)}")
         print(
-            f"\n### {name}: loop of {loop} fits, per fit: lmfit {1e3 * per['lmfit']:.3f} ms, "
-            f"SciPy path {1e3 * per['scipy']:.3f} ms (extrapolated to K below); "
-            f"options {case_options(name)}"
-        )
-        print(
-            "| K | compile s | batch s | fits/s | loop of lmfit s (extrap.) | lmfit loop / "
-            "batch | loop of SciPy path s (extrap.) | SciPy loop / batch | converged "
+            "| K | tolerances | compile s | batch s | fits/s | lmfit ms a fit "
+            "| lmfit loop / batch | SciPy path ms a fit | SciPy loop / batch | converged "
             "| evaluations median / max |"
         )
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        variants = {"sciflat's (1e-12)": {}}
+        if name == "spot":
+            variants["lmfit's (1.5e-8)"] = LMFIT_TOLERANCES
         for k in ks:
             case = make(k, np.random.default_rng(1))
-            run = lambda case=case: _batch(case, chunk_size=chunk)
-            t0 = time.perf_counter()
-            run()
-            first = time.perf_counter() - t0
-            times = []
-            for _ in range(repeats):
+            runs = {
+                label: functools.partial(_batch, case, chunk_size=chunk, **kw)
+                for label, kw in variants.items()
+            }
+            first = {}
+            for label, run in runs.items():
                 t0 = time.perf_counter()
-                out = run()
-                times.append(time.perf_counter() - t0)
-            batch = statistics.median(times)
-            compile_s = max(first - batch, 0.0)
-            print(
-                f"| {k} | {compile_s:.1f} | {batch:.3f} | {k / batch:,.0f} "
-                f"| {k * per['lmfit']:.2f} | {k * per['lmfit'] / batch:.0f}× "
-                f"| {k * per['scipy']:.2f} | {k * per['scipy'] / batch:.0f}× "
-                f"| {int(out.converged.sum())} | {int(np.median(out.n_evaluations))} / "
-                f"{int(out.n_evaluations.max())} |",
-                flush=True,
-            )
+                run()
+                first[label] = time.perf_counter() - t0
+            times: dict[str, list[float]] = {label: [] for label in runs}
+            loops: dict[str, list[float]] = {"lmfit": [], "scipy": []}
+            outs = {}
+            for _ in range(repeats):
+                for label, run in runs.items():
+                    t0 = time.perf_counter()
+                    outs[label] = run()
+                    times[label].append(time.perf_counter() - t0)
+                for key, t in loop_per_fit(loop_case, loop, 1).items():
+                    loops[key].append(t)
+            per = {key: statistics.median(v) for key, v in loops.items()}
+            for label, out in outs.items():
+                batch = statistics.median(times[label])
+                compile_s = max(first[label] - batch, 0.0)
+                print(
+                    f"| {k} | {label} | {compile_s:.1f} | {batch:.3f} | {k / batch:,.0f} "
+                    f"| {1e3 * per['lmfit']:.2f} | {k * per['lmfit'] / batch:.0f}× "
+                    f"| {1e3 * per['scipy']:.2f} | {k * per['scipy'] / batch:.0f}× "
+                    f"| {int(out.converged.sum())} "
+                    f"| {int(np.median(out.n_evaluations))} / "
+                    f"{int(out.n_evaluations.max())} |",
+                    flush=True,
+                )
 
 
 def devices(cases: list[str], ks: list[int], repeats: int) -> None:
@@ -413,53 +439,154 @@ def runtime(names: list[str], repeats: int) -> None:
 
 
 def floor(cases: list[str], repeats: int) -> None:
-    """The three pieces of work every slot does at every turn of a batch, each timed
-    alone under `vmap` at the pool's size for K = 10,000 fits (as
-    `least_squares_batch` chooses it): the residuals and the Jacobian (one
-    forward-mode pass), LAPACK's QR of the scaled `m × (n + 1)` Jacobian, and its
-    SVD of the `n × n` `R`. Their sum is the least a slot-turn costs with this
-    algorithm (MINPACK's, with QR and SVD), whatever the loop around it does."""
+    """The pieces of one turn of the batch's default algorithm (the normal equations),
+    each timed alone under `vmap` at the pool's size for K = 10,000 fits (as
+    `least_squares_batch` chooses it), µs a slot, wall time and CPU time of the
+    process (both cores): the residuals and the Jacobian (one forward-mode pass);
+    `JᵀJ`, `Jᵀf` and the norms of that evaluation (`normal.moments`, what a slot
+    keeps of it); the step (the scaled normal equations, their Cholesky and Moré's
+    Levenberg parameter); MINPACK's acceptance and tests; and, for the old design,
+    LAPACK's QR and SVD of the scaled Jacobian (`MinpackQR`'s step)."""
     print(
-        "| case | m × n | slots | residuals + Jacobian µs | QR µs | SVD µs | sum µs |\n"
-        "|---|---|---:|---:|---:|---:|---:|"
+        "| case | m × n | slots | residuals + Jacobian | JᵀJ, Jᵀf, norms | step "
+        "| acceptance | sum | MinpackQR's QR + SVD |\n"
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|"
     )
     for name in cases:
         make = misra_case if name == "misra" else spot_case
         _floor_row(name, make(10_000, np.random.default_rng(1)), repeats)
+    print("(µs a slot: wall time / CPU time of the process, medians)")
 
 
 def _floor_row(name: str, case: dict, repeats: int) -> None:
-    # The device fit's own pieces (`_device_least_squares.with_jacobian`, `_lm`'s QR,
-    # column norms and SVD), each vmapped over the slots on its own.
+    # The batch's own pieces (`_device.least_squares.with_jacobian`, `_normal`,
+    # `_lm`), each jitted and vmapped over the slots on its own.
     from sciflat._device import batch as batch_module, least_squares as dls
-    from sciflat._solver import lm as _lm
+    from sciflat._solver import lm as _lm, normal as _normal
 
     names, (k, m), n = case["names"], case["data"].shape, len(case["names"])
     slots = min(k, batch_module._auto_chunk(m, n) or k)
     xs, data = jnp.asarray(case["starts"][:slots]), jnp.asarray(case["data"][:slots])
     residuals, args = case["residuals"], case["args"]
+    opts, _ = dls.options(case["options"], n, "floor")
 
     def both(x, z):
         r = lambda x: residuals(dict(zip(names, x, strict=True)), *args, z)
         return dls.with_jacobian(r, "forward")(x)
 
     evaluate = jax.jit(jax.vmap(both))
+    moments = jax.jit(_normal.moments)
+    start = jax.vmap(lambda x, g, a, ms: _lm.started(x, g, a, opts, 1, ms))
     f, jac = evaluate(xs, data)
-    scale = lambda f, jac: jnp.concatenate([jac / _lm._norms(jac), f[:, None]], axis=1)
-    scaled = jax.vmap(scale)(f, jac)
-    qr = jax.jit(jax.vmap(_lm._qr_r))
-    r = qr(scaled)[:, :n, :n]
-    svd = jax.jit(jax.vmap(_lm.svd))
+    states = jax.jit(start)(xs, *_swap(moments(f, jac)))
+
+    def step(states):
+        h, b = _normal.equations(states)
+        return _normal.steps(states, h, b)[0]
+
+    step = jax.jit(step)
+    steps = step(states)
+    x_new = jax.vmap(_lm.trial_point)(states, steps)
+    f, jac = evaluate(x_new, data)
+    ms, g, a = moments(f, jac)
+    accept = jax.jit(
+        jax.vmap(lambda st, sp, x, g, a, ms: _lm.accepted(st, sp, x, g, a, opts, ms))
+    )
+    full = jax.vmap(lambda st: _lm.minpack_step(st, False))
+    old = states._replace(f=f, jac=jac, diag=jnp.sqrt(jnp.sum(jac * jac, axis=1)))
     calls = {
-        "evaluate": lambda: evaluate(xs, data),
-        "qr": lambda: qr(scaled),
-        "svd": lambda: svd(r),
+        "evaluate": lambda: evaluate(x_new, data),
+        "moments": lambda: moments(f, jac),
+        "step": lambda: step(states),
+        "accept": lambda: accept(states, steps, x_new, g, a, ms),
+        "qr_svd": functools.partial(jax.jit(full), old),
     }
-    us = {key: 1e6 * t / slots for key, t in _medians(calls, repeats).items()}
+    wall, cpu = _medians(calls, repeats), _medians(calls, repeats, time.process_time)
+    us = lambda key: f"{1e6 * wall[key] / slots:.2f} / {1e6 * cpu[key] / slots:.2f}"
+    total = [sum(t[key] for key in list(calls)[:4]) for t in (wall, cpu)]
     print(
-        f"| {name} | {m} × {n} | {slots} | {us['evaluate']:.2f} | {us['qr']:.2f} "
-        f"| {us['svd']:.2f} | {sum(us.values()):.2f} |",
+        f"| {name} | {m} × {n} | {slots} | {us('evaluate')} | {us('moments')} "
+        f"| {us('step')} | {us('accept')} "
+        f"| {1e6 * total[0] / slots:.2f} / {1e6 * total[1] / slots:.2f} "
+        f"| {us('qr_svd')} |",
         flush=True,
+    )
+
+
+def _swap(moments):
+    """`normal.moments`' `(measure, g, a)` as `started`'s `(g, a, measure)`."""
+    ms, g, a = moments
+    return g, a, ms
+
+
+def evaluations(k: int, loop: int) -> None:
+    """How many evaluations a spot fit takes, and what the fits at `max_nfev` do: the
+    batch with sciflat's defaults and with lmfit's tolerances (`ftol = xtol =
+    1.5e-8`, `gtol = 0`), on K spots; on the first `loop` of them lmfit's loop (its
+    calls, finite differences included) and MINPACK's `lmder` (SciPy's `leastsq` with
+    the exact Jacobian: its evaluations are the batch's) at both tolerances."""
+    from scipy.optimize import leastsq
+
+    case = spot_case(k, np.random.default_rng(1))
+    names, grid = case["names"], case["x"]
+    runs = {
+        "defaults (1e-12)": _batch(case),
+        "lmfit's tolerances": _batch(case, **LMFIT_TOLERANCES),
+    }
+    print(
+        "| fits | tolerances | evaluations median / mean | at max_nfev=100 "
+        "| converged |\n|---|---|---:|---:|---:|"
+    )
+    for label, out in runs.items():
+        nfev = out.n_evaluations
+        print(
+            f"| batch, K = {k} | {label} | {np.median(nfev):.0f} / {nfev.mean():.1f} "
+            f"| {np.mean(nfev >= 100):.1%} | {out.converged.mean():.1%} |"
+        )
+
+    def res(x, i):
+        return np.asarray(spot(dict(zip(names, x, strict=True)), grid, case["data"][i]))
+
+    jac = jax.jit(
+        jax.jacfwd(lambda x, z: spot(dict(zip(names, x, strict=True)), grid, z))
+    )
+    for label, tol in (("defaults (1e-12)", 1e-12), ("lmfit's tolerances", 1.5e-8)):
+        nfev = [
+            leastsq(
+                res,
+                case["starts"][i],
+                args=(i,),
+                Dfun=lambda x, i: np.asarray(jac(x, case["data"][i])),
+                full_output=True,
+                ftol=tol,
+                xtol=tol,
+                gtol=0.0 if tol > 1e-12 else 1e-12,
+                maxfev=100,
+            )[2]["nfev"]
+            for i in range(loop)
+        ]
+        print(
+            f"| MINPACK lmder, first {loop} | {label} | {np.median(nfev):.0f} / "
+            f"{np.mean(nfev):.1f} | {np.mean(np.array(nfev) >= 100):.1%} | |"
+        )
+    calls = [
+        _lmfit(
+            case["res_np"], names, case["starts"][i], (grid, case["data"][i]), 600
+        ).nfev
+        for i in range(loop)
+    ]
+    print(
+        f"| lmfit's loop, first {loop} | its defaults (1.5e-8) | calls {np.median(calls):.0f} "
+        f"/ {np.mean(calls):.1f} (n + 1 = 6 a Jacobian) | | |"
+    )
+    out = runs["defaults (1e-12)"]
+    capped = out.n_evaluations >= 100
+    print("\nmedian fitted (a, b, s, x0, y0), fits at max_nfev vs the others:")
+    print("at max_nfev:", np.round(np.median(out.p[capped], axis=0), 3))
+    print("the others: ", np.round(np.median(out.p[~capped], axis=0), 3))
+    print(
+        f"width s < 0.5 px: {np.mean(np.abs(out.p[capped, 2]) < 0.5):.0%} of the fits at "
+        f"max_nfev, {np.mean(np.abs(out.p[~capped, 2]) < 0.5):.1%} of the others"
     )
 
 
@@ -654,6 +781,11 @@ def main(argv=None) -> None:
     parser.add_argument("--runtime", nargs="*", metavar="PROBLEM")
     parser.add_argument("--floor", action="store_true")
     parser.add_argument(
+        "--evaluations",
+        action="store_true",
+        help="the spots' evaluations: the batch, lmfit and MINPACK, two tolerances",
+    )
+    parser.add_argument(
         "--cpufit",
         action="store_true",
         help="Gpufit's benchmark: the batch against Cpufit built from ../shared",
@@ -699,6 +831,9 @@ def main(argv=None) -> None:
         return
     if args.floor:
         floor(args.cases, args.repeats)
+        return
+    if args.evaluations:
+        evaluations(args.ks[-1], args.loop)
         return
     if args.nist_batch:
         nist_batch()
