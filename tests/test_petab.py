@@ -701,6 +701,89 @@ def test_rate_laws_are_the_symbolic_right_hand_side():
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12 * abs(want).max())
 
 
+def test_the_stage_root_finders_linear_solves_are_numpys():
+    # StageChord's default linear solver (products with the inverse), forward and
+    # transposed, against NumPy's solve of the same system.
+    import lineax as lx
+
+    from sciflat._petab.objective import InverseSolver, StageChord
+
+    assert isinstance(StageChord(rtol=1e-8, atol=1e-10).linear_solver, InverseSolver)
+    rng = np.random.default_rng(1)
+    a = rng.normal(size=(5, 5)) + 3 * np.eye(5)
+    b = rng.normal(size=5)
+    solver = InverseSolver()
+    state = solver.init(lx.MatrixLinearOperator(jnp.asarray(a)), {})
+    transposed, _ = solver.transpose(state, {})
+    for matrix, st in ((a, state), (a.T, transposed)):
+        got, result, _ = solver.compute(st, jnp.asarray(b), {})
+        assert result == lx.RESULTS.successful
+        np.testing.assert_allclose(got, np.linalg.solve(matrix, b), rtol=1e-12)
+
+
+@pytest.mark.slow  # SymPy's derivative, and three Jacobians compiled: 2 s of CPU
+def test_the_right_hand_sides_jacobian_is_sympys_derivative(tmp_path):
+    # The analytic Jacobian (each template's partial derivatives times one-hot
+    # columns, an assignment rule on a state chained in, N applied, / compartment
+    # sizes) against SymPy's derivative of the substituted right-hand side; the custom
+    # JVP against JAX's own derivative, in the state and in the constants.
+    import sympy
+
+    from sciflat._petab.formulas import RateLaws
+    from sciflat._petab.sbml import read_sbml
+
+    write_sbml(
+        tmp_path / "model.xml",
+        compartments=(("c1", 2.0), ("c2", 0.5)),
+        species=(
+            ("A", "c1", 1.0, False, None),
+            ("B", "c1", 0.5, False, None),
+            ("C", "c2", None, True, 2.0),
+        ),
+        parameters=(
+            ("k1", 1.3, True),
+            ("k2", 0.7, True),
+            ("h", 2.5, True),
+            ("act", 0.0, False),
+        ),
+        rules=(("act", "B^h / (k2^h + B^h)"),),  # a rule on a state
+        reactions=(
+            ("R1", {"A": 2}, {"B": 1}, "k1 * A * A * c1"),  # an argument twice
+            ("R2", {"B": 1}, {"C": 1}, "k2 * act * B / (1 + A^2.0)"),
+            ("R3", {"C": 1}, {"A": 1}, "k1 * C^h"),
+            ("R4", {"B": 1}, {}, "k1 * B"),  # the template of R1's, once
+            ("R5", {}, {"A": 1}, "k2"),
+        ),
+    )
+    ode = read_sbml(str(tmp_path / "model.xml"))
+    rhs = RateLaws(sympy, ode)
+    assert rhs.analytic and len(rhs._on_x) == 1  # `act` depends on B
+    sym = lambda k: sympy.Symbol(k, real=True)
+    x, k = [sym(s) for s in ode.species], [sym(c) for c in ode.constants]
+    jac = sympy.Matrix(ode.rhs).jacobian(x)
+    want_fn = sympy.lambdify([ode.time, x, k], jac, modules="numpy")
+    kv = jnp.asarray([{"c1": 2.0, "c2": 0.5}.get(str(c), 1.1) for c in k])
+    t, xs = jnp.asarray(0.5), jnp.asarray([[0.3, 1.7, 2.2], [0.0, 0.4, 1e-3]])
+
+    @jax.jit  # one compilation for all three, at both points
+    @jax.vmap
+    def jacobians(xv):
+        def both(f):  # d/dx and d/dk, and d/d(x, k) of J(x, k) v (second order)
+            jv = lambda x, k: jax.jvp(lambda y: f(t, y, k), (x,), (xv + 1,))[1]
+            return jax.jacfwd(f, argnums=(1, 2))(t, xv, kv), jax.jacfwd(jv, (0, 1))(
+                xv, kv
+            )
+
+        return rhs.jacobian(t, xv, kv), both(rhs), both(rhs.evaluate)
+
+    analytic, custom, plain = jacobians(xs)
+    for i, xv in enumerate(np.asarray(xs)):
+        want = np.asarray(want_fn(0.5, xv, np.asarray(kv)), np.float64)
+        np.testing.assert_allclose(analytic[i], want, rtol=1e-12, atol=1e-14)
+    for got, ref in zip(jax.tree.leaves(custom), jax.tree.leaves(plain), strict=True):
+        np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-14)
+
+
 @pytest.mark.slow  # 34 species, 3 conditions, 600 steps each: tens of seconds
 def test_laske_log_likelihood_is_amicis():
     # States of 1e8 and rates of 1e12: Diffrax's own tests of an implicit stage's

@@ -26,6 +26,7 @@ from .tables import Tables
 
 try:
     import diffrax
+    import lineax as lx
     import optimistix as optx
 except ImportError:  # pragma: no cover (the `petab` extra installs them)
     raise ImportError(
@@ -87,6 +88,43 @@ def _stage_terminate(finder: Any, y: Any, args: Any, state: Any, rate: Any):
     return (started & (size < finder.kappa)) | bad, result
 
 
+class InverseSolver(lx.AbstractLinearSolver):
+    """A Lineax solver for the small square systems of the chord iterations: the
+    matrix inverted once (LU, then its triangular solves on the identity, together),
+    each solve then one matrix–vector product. On the host, each triangular solve of
+    a vector is a call of its own that costs microseconds whatever the size (more
+    than the whole vector field of a small model), and the chord method makes one per
+    iteration of each stage; a product fuses with what is around it. The iteration's
+    fixed point is the stage's equation whatever the solve's rounding: only how fast
+    it contracts depends on it. For one 1-d array (a `ReactionODE`'s state)."""
+
+    def init(self, operator: Any, options: dict[str, Any]) -> Any:
+        del options
+        if operator.in_size() != operator.out_size() or not isinstance(
+            operator.in_structure(), jax.ShapeDtypeStruct
+        ):
+            raise ValueError(
+                "`InverseSolver` solves square systems in one 1-d array; got "
+                f"{operator.in_structure()} -> {operator.out_structure()}."
+            )
+        return jnp.linalg.inv(operator.as_matrix())
+
+    def compute(self, state: Any, vector: Any, options: dict[str, Any]) -> Any:
+        del options
+        return state @ vector, lx.RESULTS.successful, {}
+
+    def transpose(self, state: Any, options: dict[str, Any]) -> Any:
+        del options
+        return state.T, {}
+
+    def conj(self, state: Any, options: dict[str, Any]) -> Any:
+        del options
+        return state.conj(), {}
+
+    def assume_full_rank(self) -> bool:
+        return True
+
+
 class StageChord(diffrax.VeryChord):
     """Diffrax's chord method for the implicit stages of its Runge–Kutta solvers
     (one Jacobian and one LU factorisation per step, shared by the stages),
@@ -99,7 +137,12 @@ class StageChord(diffrax.VeryChord):
     of large rates, its rounding error is above that however many iterations are
     done: the steps are rejected again and again (Laske's influenza model at t =
     2.66, states of 1e8 and rates of 1e12: 100,000 steps and llh -inf; Boehm's: half
-    its steps). What the step's error budget is made of is a change of the state."""
+    its steps). What the step's error budget is made of is a change of the state.
+
+    Its linear solves are products with the inverse of the stage's matrix
+    ([`InverseSolver`][]), by default."""
+
+    linear_solver: lx.AbstractLinearSolver = InverseSolver()
 
     def terminate(self, fn, y, args, options, state, tags):
         del fn, options, tags
