@@ -699,6 +699,12 @@ def test_rate_laws_are_the_symbolic_right_hand_side():
         want = np.asarray(scalar(t, xv, kv), np.float64)
         got = np.asarray(rhs(jnp.asarray(t), jnp.asarray(xv), jnp.asarray(kv)))
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12 * abs(want).max())
+        # The analytic Jacobian against JAX's own derivative.
+        args = (jnp.asarray(t), jnp.asarray(xv), jnp.asarray(kv))
+        want_j = jax.jacfwd(rhs.evaluate, argnums=1)(*args)
+        np.testing.assert_allclose(
+            rhs.jacobian(*args), want_j, rtol=1e-12, atol=1e-12 * abs(want_j).max()
+        )
 
 
 def test_the_stage_root_finders_linear_solves_are_numpys():

@@ -2,11 +2,11 @@
 
 A Rosenbrock method is linearly implicit: each step factorises one matrix,
 `W = I / (h γ) - J` with `J` the Jacobian of the vector field at the step's start, and
-its eight stages are solves with that one factorisation. An implicit Runge–Kutta method
-(Diffrax's `Kvaerno5`) instead runs Newton's method in each of its stages, a Jacobian
-and a factorisation per iteration. For the small, stiff reaction networks of systems
-biology that is most of the cost of a step (PEtab.jl's default for such models is this
-method, Rodas5P).
+its eight stages are solves with that one factorisation (here, products with its
+inverse). An implicit Runge–Kutta method (Diffrax's `Kvaerno5`) instead runs Newton's
+method in each of its stages, a Jacobian and a factorisation per iteration. For the
+small, stiff reaction networks of systems biology that is most of the cost of a step
+(PEtab.jl's default for such models is this method, Rodas5P).
 
 The coefficients are those of Steinebach (2023), "Construction of Rosenbrock–Wanner
 method Rodas5P and numerical benchmarks within the Julia Differential Equations
@@ -27,7 +27,6 @@ import diffrax
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import jax.scipy.linalg as jsl
 
 
 _GAMMA = 0.21193756319429014
@@ -107,35 +106,34 @@ def _w_times(operator: tuple, x: jax.Array) -> jax.Array:
 
 
 @eqx.filter_custom_jvp
-def _solve(lu: jax.Array, piv: jax.Array, operator: tuple, b: jax.Array) -> jax.Array:
-    """`W⁻¹ b`, with `(lu, piv)` the factors of `W` (taken without derivative) and
+def _solve(inverse: jax.Array, operator: tuple, b: jax.Array) -> jax.Array:
+    """`W⁻¹ b`, with `inverse` the inverse of `W` (taken without derivative) and
     `operator` what `W` is made of (for `_w_times`).
 
-    Its derivative is `W⁻¹ (db - dW x)`, `x = W⁻¹ b`, applied with the factors
+    Its derivative is `W⁻¹ (db - dW x)`, `x = W⁻¹ b`, applied with the inverse
     already there; `dW x` is one directional second derivative of the vector field
     (`jax.jvp` of `_w_times`). JAX's own rules would differentiate `J` whole (a
-    second derivative per column of `J` and per tangent) and the factorisation
-    (triangular solves of whole matrices per tangent), in every step, for each of the
-    forward sensitivities' tangents."""
+    second derivative per column of `J` and per tangent) and the inversion, in every
+    step, for each of the forward sensitivities' tangents."""
     del operator
-    return jsl.lu_solve((lu, piv), b)
+    return inverse @ b
 
 
 @_solve.def_jvp
 def _solve_jvp(primals, tangents):
-    lu, piv, operator, b = primals
-    _, _, d_operator, db = tangents
-    x = jsl.lu_solve((lu, piv), b)
+    inverse, operator, b = primals
+    _, d_operator, db = tangents
+    x = inverse @ b
     _, dw_x = eqx.filter_jvp(lambda op: _w_times(op, x), (operator,), (d_operator,))
     rhs = -dw_x if db is None else db - dw_x
-    return x, jsl.lu_solve((lu, piv), rhs)
+    return x, inverse @ rhs
 
 
 class Rodas5P(diffrax.AbstractAdaptiveSolver):
     """Rodas5P (Steinebach 2023): a 5th-order, stiffly accurate Rosenbrock method
     with a 4th-order error estimate, as a Diffrax solver for stiff ODEs whose state is
     one 1-d array. Each step costs one Jacobian of the vector field (forward mode),
-    one LU factorisation and eight evaluations of the vector field; an implicit
+    one inversion (LU) and eight evaluations of the vector field; an implicit
     Runge–Kutta method such as `diffrax.Kvaerno5` costs a Jacobian and a factorisation
     per Newton iteration of each of its stages.
 
@@ -193,11 +191,15 @@ class Rodas5P(diffrax.AbstractAdaptiveSolver):
             return terms.vf(t, y, args)
 
         dt_f = jax.jvp(lambda t: f(t, y0), (t0,), (jnp.ones_like(t0),))[1]
-        # `W` factorised without its derivative: `_solve` differentiates the solves.
+        # `W` inverted without its derivative: `_solve` differentiates the solves.
         jac = jax.jacfwd(lambda y: f(t0, y))(y0)
         n = y0.shape[0]
         w = jnp.eye(n, dtype=y0.dtype) / (h * _GAMMA) - jac
-        lu, piv = jsl.lu_factor(jax.lax.stop_gradient(w))
+        # W inverted once (LU, its triangular solves on the identity together):
+        # each stage's solve is then a product, which fuses with the stage; on the
+        # host a triangular solve of one vector is a call of microseconds, more than
+        # a small model's vector field. Its rounding is the LU solve's, cond(W) eps.
+        inverse = jnp.linalg.inv(jax.lax.stop_gradient(w))
         operator = (h, t0, y0, terms, args)
         us: list[jax.Array] = []
         y_stage = y0
@@ -211,7 +213,7 @@ class Rodas5P(diffrax.AbstractAdaptiveSolver):
                 rhs = rhs + sum(c * u for c, u in zip(_C[i - 1], us, strict=True)) / h
             if _D[i]:
                 rhs = rhs + (h * _D[i]) * dt_f
-            us.append(_solve(lu, piv, operator, rhs))
+            us.append(_solve(inverse, operator, rhs))
         y1 = y_stage + us[-1]
         dense_info = dict(y0=y0, y1=y1)
         return y1, us[-1], dense_info, None, diffrax.RESULTS.successful
