@@ -256,11 +256,12 @@ def finished(state: _lm.State, cost, cov, full) -> dict:
 def uncertainty(cov, on_device: bool, jac, cost: float, re, x, model) -> Uncertainty:
     """The `Uncertainty` of a finished device fit (NumPy `cov`, `jac`): the device's
     covariance when `on_device` (a Jacobian of full rank, no transforms), else
-    `from_jacobian`'s, for the constrained values through transforms."""
+    `from_jacobian`'s, for the constrained values through transforms (`model`:
+    `re(x)`, None where it has none)."""
     if on_device:
         return member_uncertainty(cov, re, cost, np.shape(jac)[0], (), None)
     unc = from_jacobian(jac, cost, re)
-    return for_values(unc, re, jnp.asarray(x), model)
+    return unc if model is None else for_values(unc, re, jnp.asarray(x), model)
 
 
 def check_shape(m: int, n: int, who: str) -> None:

@@ -166,8 +166,7 @@ def moments(f, jac) -> tuple[_lm._Measure, jax.Array, jax.Array]:
     any number of slots (tested). Every entry has `x * 0` added first, as in
     `lm._measure`: a square is NaN exactly where `x` is not finite."""
     n = jac.shape[-1]
-    both = jnp.concatenate([jac, f[..., None]], axis=-1)
-    both = both + both * 0
+    both = jnp.concatenate([jac + jac * 0, f[..., None] + f[..., None] * 0], axis=-1)
     full = jnp.einsum("krp,krq->kpq", both, both)
     squares = jnp.stack([full[:, i, i] for i in range(n)], axis=-1)  # (K, n)
     fsq = full[:, n, n]
