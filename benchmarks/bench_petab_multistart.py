@@ -1,4 +1,5 @@
-"""Boehm et al. 2014, the field's multi-start: the same Latin-hypercube starts
+"""A PEtab problem (Boehm et al. 2014 by default), the field's multi-start: the same
+Latin-hypercube starts
 (`problem.sample_starts(n, seed=0)`) fitted by each variant, interleaved start by start
 in one process (so that the machine's load falls on all alike), each start's final
 -log L, wall time and end point written to a JSON-lines file; `--report` reads such
@@ -10,11 +11,17 @@ time per such start.
     python benchmarks/bench_petab_multistart.py --pypesto fides,trf --starts 400 \
         --out runs.jsonl            # pyPESTO + AMICI on the same starts (if installed)
     python benchmarks/bench_petab_multistart.py --report runs.jsonl
+    python benchmarks/bench_petab_multistart.py --problem Bruno_JExpBot2016 \
+        --starts 100 --variants recipe,trf --out bruno.jsonl
+
+`--problem` is a name of the benchmark collection (`sciflat.petab_benchmark`) or a
+problem's YAML file.
 
 Variants:
-- `recipe`: `least_squares(problem.residuals, method="dogbox")` on all 9 parameters
+- `recipe`: `least_squares(problem.residuals, method="dogbox")` on all parameters
   (ftol = xtol = gtol = 1e-8, max_nfev 500), the documented recipe before the
-  hierarchical one (without its L-BFGS-B polish, which moves no start across 0.1).
+  hierarchical one (without its L-BFGS-B polish, which moves no start across 0.1);
+  `trf`: the same with SciPy's `trf`.
 - `hier-dogbox`, `hier-trf`: the same on `problem.hierarchical().residuals` (the 3 σ in
   closed form, 6 outer parameters), SciPy's `dogbox` or `trf`.
 - `pypesto-fides`, `pypesto-trf`: pyPESTO's PEtab importer with AMICI (its defaults),
@@ -35,19 +42,33 @@ import numpy as np
 
 
 LOG10_TOL = 1e-3  # "at a bound": within this of it on the log10 scale
+_BOEHM = "Boehm_JProteomeRes2014"
 
 
-def _sciflat(variant: str, limit: float):
+def _yaml(name: str) -> str:
+    import sciflat
+
+    return name if os.path.exists(name) else str(sciflat.petab_benchmark(name))
+
+
+def _problem(name: str):
     import jax
 
     jax.config.update("jax_enable_x64", True)
     import sciflat
 
-    problem = sciflat.petab_problem(sciflat.petab_benchmark("Boehm_JProteomeRes2014"))
-    hier = problem.hierarchical()
-    if variant == "recipe":
-        target, method = problem, "dogbox"
+    return sciflat.petab_problem(_yaml(name))
+
+
+def _sciflat(variant: str, limit: float, name: str):
+    import sciflat
+
+    problem = _problem(name)
+    if variant in ("recipe", "trf"):
+        target, method = problem, "dogbox" if variant == "recipe" else "trf"
+        hier = None
     elif variant in ("hier-dogbox", "hier-trf"):
+        hier = problem.hierarchical()
         target, method = hier, variant.split("-")[1]
     else:
         raise ValueError(f"unknown variant {variant!r}")
@@ -62,7 +83,7 @@ def _sciflat(variant: str, limit: float):
                 return True
             return False
 
-        model = start if target is problem else hier.outer(start)
+        model = start if hier is None else hier.outer(start)
         result = sciflat.least_squares(
             target.residuals,
             model,
@@ -76,7 +97,7 @@ def _sciflat(variant: str, limit: float):
             callback=callback,
         )
         seconds = time.perf_counter() - begun
-        full = result.model if target is problem else hier.full(result.model)
+        full = result.model if hier is None else hier.full(result.model)
         return dict(
             nll=float(problem.nll(full)),
             seconds=seconds,
@@ -89,20 +110,19 @@ def _sciflat(variant: str, limit: float):
     return problem, fit
 
 
-def _pypesto(variant: str, limit: float, out: str):
+def _pypesto(variant: str, limit: float, out: str, name: str):
     import amici  # noqa: F401
     import petab.v1 as petab
     import pypesto
     import pypesto.optimize
     import pypesto.petab
 
-    import sciflat
-
-    yaml = str(sciflat.petab_benchmark("Boehm_JProteomeRes2014"))
+    yaml = _yaml(name)
+    stem = os.path.splitext(os.path.basename(yaml))[0]
     importer = pypesto.petab.PetabImporter(
         petab.Problem.from_yaml(yaml),
         output_folder=os.path.join(
-            os.path.dirname(os.path.abspath(out)), "amici_boehm"
+            os.path.dirname(os.path.abspath(out)), f"amici_{stem}"
         ),
     )
     objective = importer.create_objective()
@@ -144,19 +164,14 @@ def _pypesto(variant: str, limit: float, out: str):
 
 
 def run(args) -> None:
-    import sciflat
-
     jax_free = [v for v in args.variants if v.startswith("pypesto")]
     ours = [v for v in args.variants if v not in jax_free]
     fits = {}
     for v in ours:
-        fits[v] = _sciflat(v, args.limit)[1]
+        fits[v] = _sciflat(v, args.limit, args.problem)[1]
     for v in jax_free:
-        fits[v] = _pypesto(v, args.limit, args.out)[1]
-    import jax
-
-    jax.config.update("jax_enable_x64", True)
-    problem = sciflat.petab_problem(sciflat.petab_benchmark("Boehm_JProteomeRes2014"))
+        fits[v] = _pypesto(v, args.limit, args.out, args.problem)[1]
+    problem = _problem(args.problem)
     starts = problem.sample_starts(args.starts, seed=args.seed)
     last = args.last if args.last is not None else args.starts
     load = os.getloadavg()[0]
@@ -165,7 +180,14 @@ def run(args) -> None:
             start = {k: float(v) for k, v in starts[i].items()}
             for v in fits:
                 out = fits[v](start)
-                row = dict(variant=v, start=i, seed=args.seed, load=load, **out)
+                row = dict(
+                    problem=args.problem,
+                    variant=v,
+                    start=i,
+                    seed=args.seed,
+                    load=load,
+                    **out,
+                )
                 f.write(json.dumps(row) + "\n")
                 f.flush()
                 print(
@@ -176,18 +198,12 @@ def run(args) -> None:
             load = os.getloadavg()[0]
 
 
-def _bounds():
-    import jax
-
-    jax.config.update("jax_enable_x64", True)
-    import sciflat
-
-    problem = sciflat.petab_problem(sciflat.petab_benchmark("Boehm_JProteomeRes2014"))
-    return problem.bounds
-
-
-def report(paths: list[str], only: list[str] | None, tol: float = 0.1) -> None:
+def report(
+    paths: list[str], only: list[str] | None, name: str, tol: float = 0.1
+) -> None:
     rows = [json.loads(line) for p in paths for line in open(p) if line.strip()]
+    # Rows written before `--problem` existed are Boehm's.
+    rows = [r for r in rows if r.get("problem", _BOEHM) == name]
     best = min(r["nll"] for r in rows if np.isfinite(r["nll"]))
     by = collections.defaultdict(dict)
     for r in rows:
@@ -213,7 +229,7 @@ def report(paths: list[str], only: list[str] | None, tol: float = 0.1) -> None:
             f"{total / ok if ok else float('inf'):.1f} | "
             f"{sum(r['timed_out'] for r in rs)} |"
         )
-    lower, upper = _bounds()
+    lower, upper = _problem(name).bounds
     for v, starts in by.items():
         print(f"\n{v}: where the starts end (-log L rounded to 0.1; count; at bounds)")
         clusters = collections.defaultdict(list)
@@ -234,6 +250,7 @@ def report(paths: list[str], only: list[str] | None, tol: float = 0.1) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add = parser.add_argument
+    add("--problem", default=_BOEHM, help="a collection name or a YAML file")
     add("--starts", type=int, default=400, help="how many starts are drawn")
     add("--first", type=int, default=0, help="the first start to fit")
     add("--last", type=int, default=None, help="one past the last start to fit")
@@ -247,7 +264,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.report is not None:
         only = args.only.split(",") if args.only else None
-        report(args.report or [args.out], only)
+        report(args.report or [args.out], only, args.problem)
         return
     args.variants = [v for v in args.variants.split(",") if v]
     if args.pypesto:
