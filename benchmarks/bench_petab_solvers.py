@@ -9,6 +9,9 @@ converged value to 1e-11 on these problems). Variants:
 
 - `Kvaerno5, StageChord`: sciflat's default (rtol 1e-8, atol 1e-10): the chord
   method, converged when its correction of the state is within the step's tolerance;
+- `Kvaerno5, StageChord, jacfwd and LU (before)`: the default as it was, the
+  Jacobian of the right-hand side by `jax.jacfwd` and the chord's linear solves by
+  Lineax's LU (now: the analytic Jacobian, products with the inverse);
 - `Kvaerno5, Newton`: `optimistix.Newton` (a Jacobian per iteration; its residual
   tested against `atol`), the default before;
 - `Rodas5P`: `sciflat.Rodas5P`, a Rosenbrock method (one Jacobian and one LU per
@@ -35,11 +38,12 @@ from typing import Any
 import diffrax
 import jax
 import jax.numpy as jnp
+import lineax
 import numpy as np
 import optimistix
 
 import sciflat
-from sciflat._petab.objective import forward_sensitivities
+from sciflat._petab.objective import StageChord, forward_sensitivities
 
 
 jax.config.update("jax_enable_x64", True)
@@ -54,6 +58,14 @@ def _newton(solver: type, rtol: float, atol: float) -> Any:
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "Kvaerno5, StageChord (default)": {},
+    "Kvaerno5, StageChord, jacfwd and LU (before)": {
+        "solver": diffrax.Kvaerno5(
+            root_finder=StageChord(
+                rtol=1e-8, atol=1e-10, linear_solver=lineax.AutoLinearSolver(None)
+            )
+        ),
+        "plain_jacobian": True,
+    },
     "Kvaerno5, Newton": {"solver": _newton(diffrax.Kvaerno5, 1e-8, 1e-10)},
     "Rodas5P": {"solver": sciflat.Rodas5P()},
     "Kvaerno4, Newton": {"solver": _newton(diffrax.Kvaerno4, 1e-8, 1e-10)},
@@ -130,7 +142,10 @@ def main(
                 continue
             options = dict(options)
             in_turn = options.pop("in_turn", False)
+            plain_jacobian = options.pop("plain_jacobian", False)
             problem = sciflat.petab_problem(yaml, **options)
+            if plain_jacobian:  # `jax.jacfwd` of the plain right-hand side
+                problem._objective.formulas.rhs.analytic = False
             if in_turn:
                 if len(problem.conditions) == 1:
                     continue
