@@ -321,6 +321,45 @@ def test_a_batch_reruns_ill_conditioned_fits_with_minpack_qr():
         assert batch.unidentifiable[i] == lm.uncertainty.unidentifiable
 
 
+@pytest.mark.slow  # two batch programs of a new model, ~5 s on 2 loaded cores
+def test_reruns_of_any_count_share_a_program():
+    """The rerun's pool is padded to a power of two: a batch that reruns 3 fits and
+    one that reruns 4 trace one `MinpackQR` program (each count its own before), and
+    a fit's rerun gives the same bits in both."""
+    from sciflat._device import batch as b
+
+    x = np.linspace(0.0, 1.0, 9)
+    ys = 3.0 * x + 0.01 * np.sin(7 * x + np.arange(8)[:, None])
+    # Where `s` is 0 the two columns are equal (singular normal equations).
+    residuals = lambda m, x, y, s: m["a"] * x + m["b"] * (s * x**2 + x) - y
+    traced, original = [], b._build
+
+    def build(pool, *args):
+        fit = original(pool, *args)
+
+        def counted(*a):
+            traced.append(type(pool.algorithm).__name__)  # once per trace
+            return fit(*a)
+
+        return counted
+
+    run = lambda s: sciflat.least_squares_batch(
+        residuals,
+        {"a": 1.0, "b": 0.5},
+        args=(x,),
+        batch_args=(ys, np.array(s, float)),
+        progress=False,
+    )
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(b, "_build", build)
+        three = run([0, 0, 0, 1, 1, 1, 1, 1])
+        four = run([0, 0, 0, 0, 1, 1, 1, 1])
+    assert "3 with MinpackQR" in three.message[0]
+    assert "4 with MinpackQR" in four.message[0]
+    assert traced.count("MinpackQR") == 1, traced
+    np.testing.assert_array_equal(four.p[:3], three.p[:3])
+
+
 @pytest.mark.slow  # compiles the whole fit of a new model: 2-4 s
 def test_a_rank_deficient_fit_names_what_the_data_do_not_determine():
     """`y = (a + b) x`: only `a + b` is determined. The device fit computes the

@@ -388,10 +388,10 @@ def least_squares_batch(
         if len(redo):
             # Fits whose normal equations became ill-conditioned: again from their
             # start, every step MINPACK's (a QR and an SVD), in a pool of their own.
+            # Its pool padded to a power of two: a few programs for any count.
             few = dataclasses.replace(fits, data=_member(data, redo), x0s=x0s[redo])
-            again, _ = _run_pool(
-                few, opts, mode, min(size, len(redo)), devices[:1], MinpackQR(), bar
-            )
+            slots = min(size, 1 << (len(redo) - 1).bit_length())
+            again, _ = _run_pool(few, opts, mode, slots, devices[:1], MinpackQR(), bar)
             for key in ("x", "cost", "nfev", "njev", "info", "cov", "full"):
                 host[key][redo] = again[key]
             host["jac"].update({int(redo[j]): a for j, a in again["jac"].items()})
