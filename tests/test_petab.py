@@ -727,6 +727,26 @@ def test_the_stage_root_finders_linear_solves_are_numpys():
         np.testing.assert_allclose(got, np.linalg.solve(matrix, b), rtol=1e-12)
 
 
+@pytest.mark.slow  # the `small` problem (SymPy): seconds
+def test_other_tolerances_keep_the_root_finders_options(small):
+    # `check_tolerances` solves again at other tolerances: the root finder's own
+    # options (here the Lineax LU of before and a looser kappa) stay.
+    import diffrax
+    import lineax as lx
+
+    from sciflat._petab.objective import Objective, StageChord
+
+    base = small._objective
+    finder = StageChord(rtol=1e-8, atol=1e-10, kappa=0.1, linear_solver=lx.LU())
+    solver = diffrax.Kvaerno5(root_finder=finder)
+    custom = Objective(
+        base.tables, base.formulas, diffrax, solver, 1e-8, 1e-10, base._max_steps
+    )
+    got = custom.with_tolerances(1e-11, 1e-13)._solver.root_finder
+    assert (got.rtol, got.atol, got.kappa) == (1e-11, 1e-13, 0.1)
+    assert isinstance(got.linear_solver, lx.LU)
+
+
 @pytest.mark.slow  # SymPy's derivative, and three Jacobians compiled: 2 s of CPU
 def test_the_right_hand_sides_jacobian_is_sympys_derivative(tmp_path):
     # The analytic Jacobian (each template's partial derivatives times one-hot

@@ -216,10 +216,9 @@ class Objective:
         and the root finder's where it is sciflat's `StageChord`."""
         solver = self._solver
         finder = getattr(solver, "root_finder", None)
-        if isinstance(finder, StageChord):
-            solver = eqx.tree_at(
-                lambda s: s.root_finder, solver, StageChord(rtol=rtol, atol=atol)
-            )
+        if isinstance(finder, StageChord):  # its other options kept
+            finder = eqx.tree_at(lambda f: (f.rtol, f.atol), finder, (rtol, atol))
+            solver = eqx.tree_at(lambda s: s.root_finder, solver, finder)
         return Objective(
             self.tables,
             self.formulas,
