@@ -1,6 +1,7 @@
 """`sciflat.petab_problem`: the PEtab reader, each piece against a hand-derived ODE or a
 closed form, and the Boehm et al. 2014 benchmark against AMICI's log-likelihood."""
 
+import collections
 import math
 import pathlib
 
@@ -173,6 +174,8 @@ SMALL_MEASUREMENTS = [
     ("obsC", "low", 1.6, 2.0, "", ""),
     ("obsB", "high", 0.9, 1.0, "", ""),
     ("obsB", "high", 3.2, 4.0, "", ""),
+    ("obsD", "low", 0.5, 1.0, "", ""),
+    ("obsD", "high", 3.0, 2.0, "", ""),
 ]
 
 
@@ -208,6 +211,8 @@ def small_problem(folder, measurements=SMALL_MEASUREMENTS, **changes):
             ),
             ("obsC", "C", "0.1", "lin", "laplace"),
             ("obsB", "B", "sdB", "log10", "normal"),
+            # names a0, a constant of the model set per condition
+            ("obsD", "a0 * B", "0.5", "lin", "normal"),
         ],
     )
     spec.update(changes)
@@ -233,10 +238,14 @@ def small_nll(k=K, scale=SCALE, sd=SD, measurements=SMALL_MEASUREMENTS, sd_a=Non
     total = 0.0
     sd = sd if sd_a is None else sd_a(sd, scale)
     for obs, cond, y, t, _, _ in measurements:
-        x = closed_form(k, {"low": 1.0, "high": 2.0}[cond], t)
+        a0 = {"low": 1.0, "high": 2.0}[cond]
+        x = closed_form(k, a0, t)
         if obs == "obsA":  # normal, linear
             h = scale * x["A"]
             total += 0.5 * math.log(2 * math.pi * sd**2) + 0.5 * ((y - h) / sd) ** 2
+        elif obs == "obsD":  # normal, linear, sigma 0.5, each condition's a0
+            r = (y - a0 * x["B"]) / 0.5
+            total += 0.5 * math.log(2 * math.pi * 0.5**2) + 0.5 * r**2
         elif obs == "obsC":  # Laplace, linear, sigma 0.1
             total += math.log(2 * 0.1) + abs(y - x["C"]) / 0.1
         else:  # normal on the log10 scale
@@ -303,6 +312,34 @@ def test_small_nll_is_the_petab_formula(small):
     want = small_nll(k=10**-0.2, scale=2.1, sd=math.exp(-1.0))
     np.testing.assert_allclose(float(small.nll(other)), want, rtol=1e-9)
     np.testing.assert_allclose(float(small.llh(other)), -want, rtol=1e-9)
+
+
+@pytest.mark.slow  # traces the small problem's nll again: seconds
+def test_an_observables_formulas_are_traced_once_for_all_its_conditions(small):
+    # obsA and obsD are measured in both conditions: one trace of each formula for
+    # both (the rows batched), not one per condition; the values are checked against
+    # the closed form in `test_small_nll_is_the_petab_formula`.
+    formulas = small._objective.formulas
+    calls = collections.Counter()
+
+    def counting(name, fn):
+        def traced(*args):
+            calls[name] += 1
+            return fn(*args)
+
+        return traced
+
+    ids = small.observable_ids
+    saved = [(f, f.fn) for f in (*formulas.h, *formulas.sigma)]
+    try:
+        for i, oid in enumerate(ids):
+            formulas.h[i].fn = counting(("h", oid), formulas.h[i].fn)
+            formulas.sigma[i].fn = counting(("sigma", oid), formulas.sigma[i].fn)
+        jax.make_jaxpr(lambda m: small._objective.nll(m))(small.nominal)
+    finally:
+        for f, fn in saved:
+            f.fn = fn
+    assert calls == {(kind, oid): 1 for kind in ("h", "sigma") for oid in ids}
 
 
 @pytest.mark.slow  # reads SBML with SymPy and compiles Diffrax solves: seconds

@@ -367,19 +367,34 @@ class _Formula:
     names only: those are gathered from `[t, x, k, q, placeholders]` at once. (A
     function of every state and constant unpacks them all, one operation each, for
     each formula: Lang et al. 2024's 30 formulas of a 124-species model with 600
-    constants were 19,000 of its 40,000 traced operations.)"""
+    constants were 19,000 of its 40,000 traced operations.)
 
-    def __init__(self, lam: Any, expr: Any, layout: Sequence[Any]):
+    `named(t, x, k[constants], q, placeholders)` is the same value from the model
+    constants it names only (`constants`, indices into `k`): what a batch of rows
+    from several conditions gathers per row, instead of every constant."""
+
+    def __init__(self, lam: Any, expr: Any, layout: Sequence[Any], n_x: int, n_k: int):
         where = {s: i for i, s in enumerate(layout)}
         used = sorted(expr.free_symbols, key=str)
         self.index = np.asarray([where[s] for s in used], np.int64)
+        lo, hi = 1 + n_x, 1 + n_x + n_k
+        in_k = (self.index >= lo) & (self.index < hi)
+        self.constants = np.unique(self.index[in_k] - lo)
+        named = np.where(self.index >= hi, self.index - n_k + len(self.constants), 0)
+        named = np.where(self.index < lo, self.index, named)
+        where_k = np.searchsorted(self.constants, self.index[in_k] - lo)
+        named[in_k] = lo + where_k
+        self.named_index = named
         self.fn = lam(used, expr)
 
     def __call__(self, t: Any, x: Any, k: Any, q: Any, placeholders: Any) -> Any:
+        return self.named(t, x, k[self.constants], q, placeholders)
+
+    def named(self, t: Any, x: Any, k: Any, q: Any, placeholders: Any) -> Any:
         if not len(self.index):
             return self.fn()
         z = jnp.concatenate([jnp.reshape(t, (1,)), x, k, q, placeholders])
-        cols = z[self.index]
+        cols = z[self.named_index]
         return self.fn(*(cols[i] for i in range(len(self.index))))
 
 
@@ -402,7 +417,7 @@ def compile_formulas(sympy: Any, ode: SbmlOde, tables: Tables) -> Formulas:
             where = f"Observable {oid!r}, {column}"
             expr = parse(sympy, ode, table_ids, row[column], where, names)
             layout = [t, *x, *k, *q, *(sym(nm) for nm in names)]
-            out.append(_Formula(lam, expr, layout))
+            out.append(_Formula(lam, expr, layout, len(x), len(k)))
     x0 = Vectorised(sympy, ode.x0, k)
     return Formulas(
         rhs=RateLaws(sympy, ode),

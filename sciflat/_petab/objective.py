@@ -7,6 +7,7 @@ parameters; `ext` (see `tables.py`) is computed from it once per call, and every
 else is a gather from `ext`.
 """
 
+import dataclasses
 import functools as ft
 import math
 from collections.abc import Callable
@@ -167,6 +168,64 @@ def _rows(fn: Any, ts: Array, xs: Array, constants: Array, q: Array, params: Arr
     return jax.vmap(one)(ts, xs, params)
 
 
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """The measurements of one observable in every condition, as index arrays: its
+    formulas are traced once for all of them, not once per condition (Lucarelli et
+    al. 2018: 65 observables in 197 pairs of a condition and an observable)."""
+
+    observable: int
+    rows: npt.NDArray[np.int64]  # positions in the measurement table
+    conditions: npt.NDArray[np.int64] | None  # per row; None: all in `condition`
+    condition: int
+    time_index: npt.NDArray[np.int64]
+    times: npt.NDArray[np.float64]
+    observable_parameters: npt.NDArray[np.int64]  # (m, k) indices into `ext`
+    noise_parameters: npt.NDArray[np.int64]
+
+
+def _by_observable(tables: Tables) -> tuple[Rows, ...]:
+    out = []
+    for o in range(len(tables.observable_ids)):
+        groups = [g for g in tables.groups if g.observable == o]
+        if not groups:
+            continue
+        cat = lambda f, groups=groups: np.concatenate([f(g) for g in groups])
+        conditions = cat(lambda g: np.full(len(g.rows), g.condition, np.int64))
+        one = bool((conditions == conditions[0]).all())
+        out.append(
+            Rows(
+                observable=o,
+                rows=cat(lambda g: g.rows),
+                conditions=None if one else conditions,
+                condition=int(conditions[0]),
+                time_index=cat(lambda g: g.time_index),
+                times=cat(lambda g: g.times),
+                observable_parameters=cat(lambda g: g.observable_parameters),
+                noise_parameters=cat(lambda g: g.noise_parameters),
+            )
+        )
+    return tuple(out)
+
+
+def _formula_rows(
+    fn: Any, b: Rows, ext: Array, all_ys: Array, cidx: Any, q: Array, params: Array
+) -> Array:
+    """`fn` at every row of `b`: with the constants of the rows' own conditions,
+    only those the formula names gathered per row."""
+    ts = jnp.asarray(b.times, ext.dtype)
+    zero = jnp.zeros((), ext.dtype)
+    if b.conditions is None:
+        xs = all_ys[b.condition][b.time_index]
+        constants = ext[cidx[b.condition]]
+        one = lambda t, x, par: zero + fn(t, x, constants, q, par)
+        return jax.vmap(one)(ts, xs, params)
+    xs = all_ys[b.conditions, b.time_index]
+    named = ext[cidx[b.conditions][:, fn.constants]]
+    many = lambda t, x, k, par: zero + fn.named(t, x, k, q, par)
+    return jax.vmap(many)(ts, xs, named, params)
+
+
 def forward_sensitivities(solve: Callable) -> Callable:
     """`solve(x) -> (ys, ok)` whose derivative is its forward sensitivities: any
     JVP computes the whole Jacobian dys/dx (one tangent per parameter, through the
@@ -207,6 +266,10 @@ class Objective:
         self.tables, self.formulas = tables, formulas
         self._diffrax, self._solver = diffrax, solver
         self.rtol, self.atol, self._max_steps = rtol, atol, max_steps
+        self._by_observable = _by_observable(tables)
+        rows = [b.rows for b in self._by_observable] or [np.zeros(0, np.int64)]
+        self._order = np.argsort(np.concatenate(rows))
+        self._constant_index = np.stack(tables.constant_index)
         self.solve_with_sensitivities = forward_sensitivities(
             lambda linear: self.solve_all(self.ext_of(linear))
         )
@@ -332,22 +395,20 @@ class Objective:
         linear = self.linear(model)
         ext = self.ext_of(linear)
         all_ys, ok = self.solve_with_sensitivities(linear)
-        parts: dict[str, list[Array]] = {"h": [], "sigma": []}
-        for g in tables.groups:
-            ys = all_ys[g.condition]
-            constants = ext[tables.constant_index[g.condition]]
-            q = ext[tables.q_only]
-            xs = ys[g.time_index]
-            ts = jnp.asarray(g.times, ext.dtype)
-            ops = ext[g.observable_parameters]
-            nps = jnp.concatenate([ops, ext[g.noise_parameters]], axis=1)
-            h = _rows(formulas.h[g.observable], ts, xs, constants, q, ops)
-            s = _rows(formulas.sigma[g.observable], ts, xs, constants, q, nps)
-            parts["h"].append(h)
-            parts["sigma"].append(s)
-        out = {k: jnp.concatenate(v)[tables.order] for k, v in parts.items() if v}
-        out["ok"] = ok
-        return out
+        q = ext[tables.q_only]
+        h, sigma = [], []
+        for b in self._by_observable:
+            ops = ext[b.observable_parameters]
+            nps = jnp.concatenate([ops, ext[b.noise_parameters]], axis=1)
+            o, cidx = b.observable, self._constant_index
+            h.append(_formula_rows(formulas.h[o], b, ext, all_ys, cidx, q, ops))
+            sigma.append(_formula_rows(formulas.sigma[o], b, ext, all_ys, cidx, q, nps))
+        order = self._order
+        return {
+            "h": jnp.concatenate(h)[order],
+            "sigma": jnp.concatenate(sigma)[order],
+            "ok": ok,
+        }
 
     def transformed(self, h: Array) -> tuple[Array, Array, npt.NDArray[np.float64]]:
         """The simulation and the data on each observable's transformation scale, and
