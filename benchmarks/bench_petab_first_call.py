@@ -1,6 +1,8 @@
 """Where a PEtab problem's first call goes: reading (the tables and the SBML model into
 SymPy), compiling the formulas to JAX, tracing `nll`, XLA's compilation, and the first
-run; then the median of later calls and the llh against a reference.
+run; then the median of later calls and the llh against a reference; then what a user
+meets, the problem read again: the first `problem.nll(p)`, the first
+`jax.grad(problem.nll)(p)` and how many XLA programs of `nll` they compiled.
 
 Each problem in a child process of its own (a fresh JAX: nothing compiled before),
 at the nominal parameters, with sciflat's defaults:
@@ -8,6 +10,7 @@ at the nominal parameters, with sciflat's defaults:
     python benchmarks/bench_petab_first_call.py
     python benchmarks/bench_petab_first_call.py --only Lang_PLOSComputBiol2024
     python benchmarks/bench_petab_first_call.py --extra /path/to/Benchmark-Models
+    python benchmarks/bench_petab_first_call.py --cache /tmp/jax-cache  # twice
 
 `--dir` (default `../shared/data/petab` beside the repository) and `--extra` hold
 problem folders `NAME/NAME.yaml` (or one YAML file of another name); the reference
@@ -29,10 +32,26 @@ _HERE = pathlib.Path(__file__).resolve()
 _SHARED = _HERE.parents[2] / "shared" / "data" / "petab"
 
 
-def child(yaml: str) -> dict:
+def child(yaml: str, cache: str | None) -> dict:
+    import logging
+
     import jax
 
     jax.config.update("jax_enable_x64", True)
+    if cache:  # JAX's persistent compilation cache, read back by a later process
+        jax.config.update("jax_compilation_cache_dir", cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    programs = []  # the XLA programs compiled for `nll` and its gradient
+
+    class Log(logging.Handler):
+        def emit(self, record):
+            message = record.getMessage()
+            if message.startswith("Finished XLA compilation of jit(_nll)"):
+                programs.append(message)
+
+    logging.getLogger("jax").addHandler(Log())
+    logging.getLogger("jax").propagate = False
+    jax.config.update("jax_log_compiles", True)
     import sciflat
     from sciflat._petab import formulas, problem, sbml, tables
 
@@ -58,7 +77,20 @@ def child(yaml: str) -> dict:
         jax.block_until_ready(compiled(pr.nominal))
         calls.append(time.perf_counter() - t)
     llh = -nll - float(pr.log_prior(pr.nominal))
+    # What a user calls: the problem's `nll`, then `jax.grad` of it, each the
+    # first time (trace, compile, run), the problem read again so nothing is shared
+    # with the steps above.
+    fresh = sciflat.petab_problem(yaml)
+    del programs[:]
+    t7 = time.perf_counter()
+    jax.block_until_ready(fresh.nll(fresh.nominal))
+    t8 = time.perf_counter()
+    jax.block_until_ready(jax.grad(fresh.nll)(fresh.nominal))
+    t9 = time.perf_counter()
     return {
+        "first_nll": t8 - t7,
+        "first_grad": t9 - t8,
+        "programs": len(programs),
         "read": t1 - t0,
         "formulas": t2 - t1,
         "petab_problem": t3 - t2,
@@ -92,10 +124,15 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=[])
     parser.add_argument("--refs", nargs="*", default=[str(_SHARED / "README.md")])
     parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument(
+        "--cache",
+        help="JAX's persistent compilation cache (a folder): run twice, the second "
+        "run reads what the first compiled",
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(child(args.one)))
+        print(json.dumps(child(args.one, args.cache)))
         return
     ref = refs([p for p in args.refs if pathlib.Path(p).exists()])
     yamls = {}
@@ -109,11 +146,14 @@ def main() -> None:
                 yamls[sub.name] = (named or found)[0]
     print(
         "| problem | species | reactions | read, s | formulas, s | trace, s | "
-        "compile, s | first run, s | per call, ms | llh | rel. error |"
+        "compile, s | first run, s | per call, ms | llh | rel. error | "
+        "first nll, s | first gradient, s | programs |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, y in yamls.items():
         cmd = [sys.executable, str(_HERE), "--one", str(y)]
+        if args.cache:
+            cmd += ["--cache", args.cache]
         try:
             done = subprocess.run(
                 cmd, capture_output=True, text=True, timeout=args.timeout
@@ -127,7 +167,8 @@ def main() -> None:
         print(
             f"| {name} | {r['species']} | {r['reactions']} | {r['read']:.1f} | "
             f"{r['formulas']:.1f} | {r['trace']:.1f} | {r['compile']:.1f} | "
-            f"{r['run']:.2f} | {1e3 * r['call']:.1f} | {r['llh']:.8f} | {err} |",
+            f"{r['run']:.2f} | {1e3 * r['call']:.1f} | {r['llh']:.8f} | {err} | "
+            f"{r['first_nll']:.1f} | {r['first_grad']:.1f} | {r['programs']} |",
             flush=True,
         )
 
