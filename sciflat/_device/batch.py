@@ -395,10 +395,9 @@ def least_squares_batch(
             for key in ("x", "cost", "nfev", "njev", "info", "cov", "full"):
                 host[key][redo] = again[key]
             host["jac"].update({int(redo[j]): a for j, a in again["jac"].items()})
-            how += f"; {len(redo)} with MinpackQR (ill-conditioned normal equations)"
     finally:
         bar.close()
-    return _result(host, re, x0s, max_nfev, f"{how}; batch of {k}", transforms)
+    return _result(host, re, x0s, max_nfev, how, k, redo, transforms)
 
 
 # `info` of a fit whose normal equations became ill-conditioned (a Cholesky pivot
@@ -853,8 +852,11 @@ def _over_slots(fn: Callable, in_axes: tuple, one_by_one: bool) -> Callable:
     return mapped
 
 
-def _result(h: dict, re, x0s, max_nfev: int, how: str, transforms: bool) -> BatchResult:
-    """The `BatchResult` from the host's arrays of every fit (`_run_pool`)."""
+def _result(
+    h: dict, re, x0s, max_nfev: int, how: str, k: int, redo, transforms: bool
+) -> BatchResult:
+    """The `BatchResult` from the host's arrays of every fit (`_run_pool`); the fits
+    `redo` were run again with `MinpackQR`, which their own messages say."""
     k = len(x0s)
     m = h["m"]
     started = h["info"] != _lm.NONFINITE_START
@@ -875,11 +877,20 @@ def _result(h: dict, re, x0s, max_nfev: int, how: str, transforms: bool) -> Batc
             unc.scale,
             unc.unidentifiable,
         )
-    # One status and message per `info` code (a batch has a few), shared by its fits.
-    codes, which = np.unique(h["info"], return_inverse=True)
-    words = [dls.status_and_message(int(c), max_nfev) for c in codes]
-    texts = [f"{text} (method: device; {how})" for _, text in words]
-    status = tuple(words[j][0] for j in which)
+    # One status and message per `info` code and rerun (a batch has a few), shared by
+    # its fits.
+    rerun = np.zeros(k, bool)
+    rerun[redo] = True
+    keys = np.stack([h["info"].astype(np.int64), rerun.astype(np.int64)], axis=1)
+    codes, which = np.unique(keys, axis=0, return_inverse=True)
+    which = [int(j) for j in np.asarray(which).reshape(-1)]
+    words = [dls.status_and_message(int(c), max_nfev) for c, _ in codes]
+    again = "; run again with MinpackQR: its normal equations were ill-conditioned"
+    texts = [
+        f"{text} (method: device; {how}{again if r else ''}; batch of {k})"
+        for (_, text), (_, r) in zip(words, codes, strict=True)
+    ]
+    status: tuple[Status, ...] = tuple(words[j][0] for j in which)
     message = tuple(texts[j] for j in which)
     with np.errstate(invalid="ignore"):
         stderr = np.sqrt(np.diagonal(cov, axis1=1, axis2=2))
