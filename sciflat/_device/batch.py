@@ -5,7 +5,8 @@ pool of slots, each turn one trial of every slot under `jax.vmap` (slot by slot 
 the residuals call LAPACK themselves on a CPU), each fit stopping on its own and its
 slot taking the next queued fit at the next turn, inside the compiled program; the
 slots sharded over every device of JAX's (`jax.shard_map`: each device runs its own
-loop on its own queue). Memory is K · m · n (the Jacobians), never K².
+loop on its own queue). Memory: the data and results grow with K; between turns a slot
+keeps its fit's normal equations (`MinpackQR`: its Jacobian); never K².
 """
 
 import dataclasses
@@ -397,7 +398,7 @@ def least_squares_batch(
             host["jac"].update({int(redo[j]): a for j, a in again["jac"].items()})
     finally:
         bar.close()
-    return _result(host, re, x0s, max_nfev, how, k, redo, transforms)
+    return _result(host, re, x0s, max_nfev, how, redo, transforms)
 
 
 # `info` of a fit whose normal equations became ill-conditioned (a Cholesky pivot
@@ -853,7 +854,7 @@ def _over_slots(fn: Callable, in_axes: tuple, one_by_one: bool) -> Callable:
 
 
 def _result(
-    h: dict, re, x0s, max_nfev: int, how: str, k: int, redo, transforms: bool
+    h: dict, re, x0s, max_nfev: int, how: str, redo, transforms: bool
 ) -> BatchResult:
     """The `BatchResult` from the host's arrays of every fit (`_run_pool`); the fits
     `redo` were run again with `MinpackQR`, which their own messages say."""
