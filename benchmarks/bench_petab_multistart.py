@@ -13,6 +13,8 @@ time per such start.
     python benchmarks/bench_petab_multistart.py --report runs.jsonl
     python benchmarks/bench_petab_multistart.py --problem Bruno_JExpBot2016 \
         --starts 100 --variants recipe,trf --out bruno.jsonl
+    python benchmarks/bench_petab_multistart.py --problem PATH/Bruno_JExpBot2016.yaml \
+        --starts 100 --variants fides --pypesto fides --out bruno.jsonl  # interleaved
 
 `--problem` is a name of the benchmark collection (`sciflat.petab_benchmark`) or a
 problem's YAML file.
@@ -22,8 +24,11 @@ Variants:
   (ftol = xtol = gtol = 1e-8, max_nfev 500), the documented recipe before the
   hierarchical one (without its L-BFGS-B polish, which moves no start across 0.1);
   `trf`: the same with SciPy's `trf`.
-- `hier-dogbox`, `hier-trf`: the same on `problem.hierarchical().residuals` (the 3 σ in
-  closed form, 6 outer parameters), SciPy's `dogbox` or `trf`.
+- `fides`: `least_squares(problem.residuals, method="fides")`, Fides's trust region
+  at its defaults (as pyPESTO runs it: `fides.HybridFixed()`, the Gauss–Newton matrix
+  then BFGS) on sciflat's residuals and their Jacobian, one call per evaluation.
+- `hier-dogbox`, `hier-trf`, `hier-fides`: the same on
+  `problem.hierarchical().residuals` (the 3 σ in closed form, 6 outer parameters).
 - `pypesto-fides`, `pypesto-trf`: pyPESTO's PEtab importer with AMICI (its defaults),
   Fides (its defaults) or SciPy's `ls_trf`; a benchmark-only dependency.
 
@@ -37,6 +42,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
@@ -64,10 +70,10 @@ def _sciflat(variant: str, limit: float, name: str):
     import sciflat
 
     problem = _problem(name)
-    if variant in ("recipe", "trf"):
-        target, method = problem, "dogbox" if variant == "recipe" else "trf"
+    if variant in ("recipe", "trf", "fides"):
+        target, method = problem, "dogbox" if variant == "recipe" else variant
         hier = None
-    elif variant in ("hier-dogbox", "hier-trf"):
+    elif variant in ("hier-dogbox", "hier-trf", "hier-fides"):
         hier = problem.hierarchical()
         target, method = hier, variant.split("-")[1]
     else:
@@ -84,17 +90,19 @@ def _sciflat(variant: str, limit: float, name: str):
             return False
 
         model = start if hier is None else hier.outer(start)
+        options: dict[str, Any] = (
+            {}  # Fides's own defaults, as pyPESTO's
+            if method == "fides"
+            else dict(max_nfev=500, ftol=1e-8, xtol=1e-8, gtol=1e-8)
+        )
         result = sciflat.least_squares(
             target.residuals,
             model,
             bounds=target.bounds,
             method=method,
-            max_nfev=500,
-            ftol=1e-8,
-            xtol=1e-8,
-            gtol=1e-8,
             progress=False,
             callback=callback,
+            **options,
         )
         seconds = time.perf_counter() - begun
         full = result.model if hier is None else hier.full(result.model)
@@ -255,7 +263,7 @@ def main(argv=None) -> None:
     add("--first", type=int, default=0, help="the first start to fit")
     add("--last", type=int, default=None, help="one past the last start to fit")
     add("--seed", type=int, default=0)
-    add("--variants", default="recipe,hier-dogbox")
+    add("--variants", default="recipe,hier-dogbox", help="'' for none")
     add("--pypesto", default=None, help="e.g. fides,trf: pyPESTO + AMICI variants")
     add("--limit", type=float, default=60.0, help="seconds per start")
     add("--out", default="multistart.jsonl")
@@ -267,8 +275,8 @@ def main(argv=None) -> None:
         report(args.report or [args.out], only, args.problem)
         return
     args.variants = [v for v in args.variants.split(",") if v]
-    if args.pypesto:
-        args.variants = [f"pypesto-{v}" for v in args.pypesto.split(",")]
+    if args.pypesto:  # beside `--variants`, interleaved start by start
+        args.variants += [f"pypesto-{v}" for v in args.pypesto.split(",")]
     run(args)
 
 

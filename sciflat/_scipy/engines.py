@@ -1,5 +1,6 @@
-"""The host's engines of `least_squares`: SciPy's `trf`, `dogbox` and `lm`, and
-MINPACK's `lmder` called directly; one run of the one that `Engine` names."""
+"""The host's engines of `least_squares`: SciPy's `trf`, `dogbox` and `lm`,
+MINPACK's `lmder` called directly, and Fides; one run of the one that `Engine`
+names."""
 
 import dataclasses
 import math
@@ -16,6 +17,7 @@ from .._solver.minpack import (
     more_evaluations,
     optimize_result,
 )
+from . import fides as _fides
 from .host import NonFinite, Tracker, nonfinite_message, run
 
 
@@ -26,10 +28,12 @@ class Engine:
     `scipy.optimize.leastsq`, whose iterates are `least_squares(method="lm")`'s
     exactly, without its per-call wrappers), when every option is MINPACK's."""
 
-    name: Literal["trf", "dogbox", "lm", "minpack"]
+    name: Literal["trf", "dogbox", "lm", "minpack", "fides"]
     minpack: Minpack | None = None  # for "minpack"
     # For SciPy's methods: its options (sciflat's defaults filled in), as pairs.
     scipy: tuple[tuple[str, Any], ...] = ()
+    # For Fides: its options (`hessian_update` included), as pairs.
+    fides: tuple[tuple[str, Any], ...] = ()
     # `lm` chosen by `"auto"`: where it met non-finite residuals, `trf` runs too.
     fallback: bool = False
 
@@ -42,6 +46,8 @@ class Engine:
     def max_nfev(self) -> Any:
         if self.minpack is not None:
             return self.minpack.max_nfev
+        if self.name == "fides":
+            return dict(self.fides).get("maxiter")
         return dict(self.scipy)["max_nfev"]
 
 
@@ -61,11 +67,16 @@ class Run:
 
 def solve(engine: Engine, start, lb_ub, res_fn, jac_fn, leaves, re, tracker, limit):
     """One run of `engine` from `start` (`res_fn`, `jac_fn`: the compiled residuals
-    and Jacobian, at `(x, leaves)`): a `Run`."""
+    and Jacobian, at `(x, leaves)`; for Fides, `jac_fn` gives both): a `Run`."""
     calls = _Calls(res_fn, jac_fn, leaves, re, tracker)
 
     def call():
         with limit, np.errstate(over="ignore"):  # SciPy's own cost may overflow too
+            if engine.name == "fides":
+                options = dict(engine.fides)
+                return _fides.minimize(
+                    calls.both, start, lb_ub, options, calls.seen, tracker.iteration
+                )
             if engine.minpack is not None:
                 return _minpack(calls.fun, calls.jac, start, engine.minpack)
             return scipy.optimize.least_squares(
@@ -78,7 +89,9 @@ def solve(engine: Engine, start, lb_ub, res_fn, jac_fn, leaves, re, tracker, lim
             )
 
     res, status, message, x, value = run(call, tracker, start)
-    if res is not None:
+    if isinstance(res, _fides.Result):
+        status, value = res.status, res.cost
+    elif res is not None:
         status, value = _status(res), res.cost
         if status == "max_steps":
             message += more_evaluations(engine.max_nfev)
@@ -114,6 +127,28 @@ class _Calls:
         self.rejected += nonfinite
         tracker.seen(x, cost)
         return out
+
+    def both(self, x):
+        """For Fides: the residuals and their Jacobian from one call."""
+        r, jac = self.jac_fn(x, self.leaves)
+        return np.array(r), np.array(jac)
+
+    def seen(self, x, cost: float, r: np.ndarray, jac: np.ndarray) -> None:
+        """For Fides: one evaluation seen. Non-finite residuals stop the run at the
+        start only (at a trial point Fides rejects the step); a non-finite Jacobian
+        at finite residuals stops it, naming the parameters, as in `jac`."""
+        tracker = self.tracker
+        if not np.isfinite(r).all():
+            if tracker.n_calls == 0:
+                where = "call 1 (iteration 0)"
+                n_bad = int((~np.isfinite(r)).sum())
+                what = f"The residuals are non-finite ({n_bad} entries)"
+                raise NonFinite(self._message(what, where, x, jac))
+            self.rejected += 1
+        elif not np.isfinite(jac).all():
+            where = f"iteration {len(tracker.history) + 1}"
+            raise NonFinite(self._message("The Jacobian is non-finite", where, x, jac))
+        tracker.seen(x, cost)
 
     def jac(self, x, *_):
         out = np.array(self.jac_fn(x, self.leaves))

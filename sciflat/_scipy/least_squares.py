@@ -1,6 +1,7 @@
 """`least_squares`, the front: it checks `method` and the options once, and hands one
 engine its configuration: SciPy's `trf`, `dogbox` or `lm`, or MINPACK's `lmder`
-(`engines.py`, on the host), or the device fit (`_device/least_squares.py`)."""
+(`engines.py`, on the host), Fides's trust region (`fides.py`, on the host), or the
+device fit (`_device/least_squares.py`)."""
 
 import dataclasses
 from collections.abc import Callable, Mapping
@@ -20,6 +21,7 @@ from .._fitting.programs import Programs
 from .._fitting.result import FitResult
 from .._fitting.uncertainty import from_jacobian
 from .._solver.minpack import OPTIONS, minpack_options, with_defaults
+from . import fides
 from .bounds import flat_bounds
 from .engines import Engine, Run, solve
 from .host import BlasThreads, Tracker, blas_threads_limit
@@ -27,7 +29,7 @@ from .host import BlasThreads, Tracker, blas_threads_limit
 
 _M = TypeVar("_M")
 _WHO = "least_squares"
-_METHODS = ("auto", "trf", "dogbox", "lm", "device")
+_METHODS = ("auto", "trf", "dogbox", "lm", "fides", "device")
 # What SciPy's `lm` takes besides MINPACK's options; anything else (a robust `loss`,
 # `tr_solver`, `jac_sparsity`, ...) is a `trf` option.
 _LM_OPTIONS = OPTIONS | {"diff_step", "verbose"}
@@ -81,13 +83,21 @@ def least_squares(
         with the lower cost is returned (an overflowing problem can lead either to a
         poorer minimum); if `"lm"` stopped at a non-finite Jacobian, `"trf"` is run
         instead.
+        `"fides"`: Fides's trust region (`pip install "sciflat[fides]"`; the
+        optimiser pyPESTO runs with AMICI, made for ODE models), given the cost, its
+        gradient `Jᵀr` and the Gauss–Newton matrix `JᵀJ` from one call of the
+        residuals and their Jacobian together; bounds as for `"trf"`. Its options
+        are Fides's (`maxiter`, `fatol`, `frtol`, `gatol`, ... at Fides's defaults)
+        and `hessian_update` (default `fides.HybridFixed()`, as pyPESTO: the
+        Gauss–Newton matrix, then BFGS where it stops helping).
         `"device"`: the same Levenberg–Marquardt (MINPACK's scaling and stopping
         rules) run whole on JAX's device as one compiled program, no bounds and no
         `callback`; see [Many fits at once](many_fits.md) and
         [`sciflat.least_squares_batch`][].
     - `callback`: `callback(step, cost, model)` after every iteration (every
         Jacobian); a true return value stops the fit, as in [`sciflat.minimize`][].
-    - `**kwargs`: passed to `scipy.optimize.least_squares` (`ftol`, `x_scale`,
+    - `**kwargs`: passed to `scipy.optimize.least_squares` (for `"fides"`: to
+        Fides) (`ftol`, `x_scale`,
         `loss`, `max_nfev`, ...). Defaults differ from SciPy's: `ftol`, `xtol` and
         `gtol` are 1e-12 (not 1e-8) and `max_nfev` is `2000 * (n + 1)` (lmfit's; not
         `100 * n`), so that fits reach the digits NIST certifies.
@@ -117,6 +127,8 @@ def _check(method: str, bounds, callback, kwargs: dict) -> None:
         raise ValueError(f"`method` must be one of {_METHODS}, got {method!r}.")
     if method == "lm" and bounds is not None:
         raise ValueError("`method='lm'` does not take bounds; use 'trf' or 'dogbox'.")
+    if method == "fides":
+        fides.check_options(kwargs, _WHO)
     if method != "device":
         return
     if bounds is not None:
@@ -137,6 +149,8 @@ def _engine(method: str, unbounded: bool, m: int, n: int, kwargs: dict) -> Engin
     when there are no bounds, at least as many residuals as parameters and no option
     only `trf` takes; `trf` otherwise."""
     fallback = False
+    if method == "fides":
+        return Engine("fides", fides=tuple(kwargs.items()))
     if method == "auto":
         fallback = unbounded and m >= n and set(kwargs) <= _LM_OPTIONS
         method = "lm" if fallback else "trf"
@@ -157,7 +171,8 @@ def _on_host(
     res_fn = programs.get("residuals", "none", start)
     m = programs.out_info["residuals"].shape[0]
     modes = choose_modes(mode, len(re) <= m)
-    jac_fn, used = programs.first_working("jacobian", modes, start)
+    kind = "both" if method == "fides" else "jacobian"
+    jac_fn, used = programs.first_working(kind, modes, start)
     limit = blas_threads_limit(blas_threads, len(re) * m)
     engine = _engine(method, lb_ub is None, m, len(re), kwargs)
 
@@ -188,7 +203,11 @@ def _on_host(
     # loss, `raw.jac` is the Jacobian at `x`), or one more Jacobian call.
     jac = None
     if kwargs.get("loss", "linear") == "linear" and np.isfinite(run.cost):
-        jac = run.raw.jac if run.raw is not None else jac_fn(run.x, leaves)
+        if run.raw is not None:
+            jac = run.raw.jac
+        else:  # stopped: one more call (Fides's program gives `(r, J)`)
+            jac = jac_fn(run.x, leaves)
+            jac = jac[1] if kind == "both" else jac
     how = f"method: {engine.method}; Jacobian: {used} mode"
     return _fit_result(run, jac, tracker, re, m, n_calls, how)
 
@@ -244,4 +263,11 @@ def _build(kind: str, residuals, re, rebuild, mode: str) -> Callable:
     if kind == "residuals":
         return r
     jacobian = jax.jacfwd if mode == "forward" else jax.jacrev
+    if kind == "both":  # `(r, J)` from one pass: an ODE's sensitivities give both
+
+        def both(x, leaves):
+            jac, out = jacobian(lambda x: (r(x, leaves),) * 2, has_aux=True)(x)
+            return out, jac
+
+        return both
     return lambda x, leaves: jacobian(lambda x: r(x, leaves))(x)
