@@ -233,6 +233,21 @@ def test_a_large_batch_equals_its_single_fits():
         np.testing.assert_allclose(batch.p[i], single.p, rtol=1e-10, atol=0)
 
 
+@pytest.mark.slow  # a batch program for 100 slots: 2-4 s
+def test_a_wide_batch_equals_its_fits_alone_to_the_bit():
+    """The default algorithm in a pool of 100 slots: each fit equals its batch of
+    one to the bit (with 64 slots or more, XLA's reduction of `JᵀJ` over Misra1a's
+    14 residuals added in another order than for one: fits 2e-10 apart)."""
+    rng = np.random.default_rng(4)
+    ys = MISRA.y + 0.1 * rng.standard_normal((100, len(MISRA.y)))
+    starts = np.array(MISRA.starts[0]) * rng.uniform(0.5, 2.0, (100, 2))
+    batch = _misra_batch(ys, starts=starts)
+    for i in (0, 31, 64, 99):
+        alone = _misra_batch(ys[i : i + 1], starts=starts[i : i + 1])
+        np.testing.assert_array_equal(batch.p[i], alone.p[0])
+        np.testing.assert_array_equal(batch.n_evaluations[i], alone.n_evaluations[0])
+
+
 @pytest.mark.slow  # compiles the whole fit: 2-4 s on 2 quiet cores
 def test_failed_fits_are_reported_by_index(batch, replicates):
     assert batch.failed == [3, 5]
@@ -604,6 +619,24 @@ def test_the_batch_keeps_of_an_evaluation_what_minpack_reads_of_it(m):
         np.testing.assert_allclose(g[i], jac[i].T @ f[i], rtol=1e-12, atol=1e-13)
         gram = jac[i].T @ jac[i]
         np.testing.assert_allclose(a[i], gram[lower], rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("m", [14, 25, 121])
+def test_a_slot_keeps_the_same_bits_in_a_batch_of_any_width(m):
+    """`normal.moments` of one slot alone and of the same slot among 200: the same
+    bits (a fit of a batch equals its batch of one). XLA's own reduction over the
+    residuals added 14 or 25 terms in another order for one slot than for many."""
+    from sciflat._solver import normal as _normal
+
+    rng = np.random.default_rng(1)
+    jac = jnp.asarray(rng.standard_normal((200, m, 5)))
+    f = jnp.asarray(rng.standard_normal((200, m)))
+    moments = jax.jit(_normal.moments)
+    wide = moments(f, jac)
+    for i in (0, 57, 199):
+        alone = moments(f[i : i + 1], jac[i : i + 1])
+        for w, a in zip(jax.tree.leaves(wide), jax.tree.leaves(alone), strict=True):
+            np.testing.assert_array_equal(np.asarray(w)[i], np.asarray(a)[0])
 
 
 @pytest.mark.slow  # two batch programs of 80 residuals, ~6 s on 2 loaded cores

@@ -159,17 +159,18 @@ def moments(f, jac) -> tuple[_lm._Measure, jax.Array, jax.Array]:
     and the lower triangle of `JᵀJ` `(K, n (n + 1) / 2)` (`pairs`), from `f` `(K, m)`
     and `jac` `(K, m, n)`.
 
-    One pass over the Jacobian, each slot's `[J f]` times itself summed over the
-    residuals (a product fused into its reduction: with XLA's dot of matrices this
-    small, the float32 batch ran at half its speed on Gpufit's 5 × 5 spots), so
-    that the batch carries `n (n + 3) / 2` numbers a fit from turn to turn rather
-    than its `m · n` Jacobian (the scaled normal equations follow from them:
-    `equations`). The sum computes each slot's products alone, the same bits for
-    any number of slots (tested). Every entry has `x * 0` added first, as in
-    `lm._measure`: a square is NaN exactly where `x` is not finite."""
+    One pass over the Jacobian: each slot's `[J f]` times itself, summed over the
+    residuals one after another (`_products`), so that the batch carries
+    `n (n + 3) / 2` numbers a fit from turn to turn rather than its `m · n`
+    Jacobian (the scaled normal equations follow from them: `equations`). The
+    order of the sum is fixed by `m` alone: the same bits for any number of slots
+    (tested), where XLA's reduction (`jnp.sum`) and dot add in an order that
+    depends on it. Every entry has `x * 0` added first, as in `lm._measure`: a
+    square is NaN exactly where `x` is not finite."""
     n = jac.shape[-1]
     both = jnp.concatenate([jac + jac * 0, f[..., None] + f[..., None] * 0], axis=-1)
-    full = jnp.sum(both[:, :, :, None] * both[:, :, None, :], axis=1)
+    # Written once (XLA would fuse the sums into each of their readers below).
+    full = jax.lax.optimization_barrier(_products(both))
     squares = jnp.stack([full[:, i, i] for i in range(n)], axis=-1)  # (K, n)
     fsq = full[:, n, n]
     ok = ~jnp.isnan(fsq) & ~jnp.any(jnp.isnan(squares), axis=-1)
@@ -181,6 +182,35 @@ def moments(f, jac) -> tuple[_lm._Measure, jax.Array, jax.Array]:
     gnorm = jnp.max(jnp.where(live, jnp.abs(g) / safe, 0.0), axis=-1)
     a = jnp.stack([full[:, i, j] for i, j in pairs(n)], axis=-1)
     return _lm._Measure(ok, fnorm, cols, gnorm), g, a
+
+
+# `_products` adds the residuals' terms in a loop over chunks of this many, each
+# chunk one unrolled chain (one term after another throughout).
+_CHUNK = 16
+
+
+def _products(both) -> jax.Array:
+    """`Σ_t both[:, t, :, None] * both[:, t, None, :]` `(K, c, c)` from `both`
+    `(K, m, c)`, the terms added one after another in the order of `t` (each through
+    `_uncontracted`, so that no product is fused with its add into an FMA in one
+    program and not in another), whatever `K`: each slot's sum is computed as in a
+    batch of one. XLA's `jnp.sum` over `t` gave other bits for 1 and 64 slots
+    (Misra1a's 14 residuals; fits 2e-10 apart)."""
+    k, m, c = both.shape
+    chunks = -(-m // _CHUNK)
+    size = -(-m // chunks)  # at most `_CHUNK` terms a chunk, the fewest zeros added
+    if chunks == 1:
+        return _sum([both[:, t, :, None] * both[:, t, None, :] for t in range(m)])
+    # Zeros up to a whole number of chunks (adding a zero changes no sum).
+    both = jnp.pad(both, [(0, 0), (0, chunks * size - m), (0, 0)])
+
+    def add(i, total):
+        part = jax.lax.dynamic_slice_in_dim(both, i * size, size, axis=1)
+        for t in range(size):
+            total = total + _uncontracted(part[:, t, :, None] * part[:, t, None, :])
+        return total
+
+    return jax.lax.fori_loop(0, chunks, add, jnp.zeros((k, c, c), both.dtype))
 
 
 def equations(states: _lm.State) -> tuple[list, list]:
