@@ -29,6 +29,8 @@ Variants:
   then BFGS) on sciflat's residuals and their Jacobian, one call per evaluation.
 - `hier-dogbox`, `hier-trf`, `hier-fides`: the same on
   `problem.hierarchical().residuals` (the 3 σ in closed form, 6 outer parameters).
+- any of these with `+rodas5p` (e.g. `fides+rodas5p`): the problem solved with
+  `solver=sciflat.Rodas5P()` instead of the default `Kvaerno5`.
 - `pypesto-fides`, `pypesto-trf`: pyPESTO's PEtab importer with AMICI (its defaults),
   Fides (its defaults) or SciPy's `ls_trf`; a benchmark-only dependency.
 
@@ -57,19 +59,20 @@ def _yaml(name: str) -> str:
     return name if os.path.exists(name) else str(sciflat.petab_benchmark(name))
 
 
-def _problem(name: str):
+def _problem(name: str, solver=None):
     import jax
 
     jax.config.update("jax_enable_x64", True)
     import sciflat
 
-    return sciflat.petab_problem(_yaml(name))
+    return sciflat.petab_problem(_yaml(name), solver=solver)
 
 
 def _sciflat(variant: str, limit: float, name: str):
     import sciflat
 
-    problem = _problem(name)
+    variant, rodas = variant.removesuffix("+rodas5p"), variant.endswith("+rodas5p")
+    problem = _problem(name, sciflat.Rodas5P() if rodas else None)
     if variant in ("recipe", "trf", "fides"):
         target, method = problem, "dogbox" if variant == "recipe" else variant
         hier = None
