@@ -1,6 +1,7 @@
 """`least_squares(method="fides")`: Fides's trust region on the residuals, against
 SciPy's `trf` on the same problems, and the one pass per evaluation it relies on."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -99,3 +100,58 @@ def test_fides_stops_at_a_non_finite_start_and_on_callback():
     )
     assert res.status == "converged" and "callback" in res.message
     assert len(seen) == 2 and len(res.history) == 2
+
+
+def _fails_off_finite(x):
+    return x
+
+
+_fails_off_finite = jax.custom_jvp(_fails_off_finite)
+
+
+@_fails_off_finite.defjvp
+def _(primals, tangents):
+    # As Lineax in an ODE solve's implicit derivative: a non-finite input raises.
+    (x,), (dx,) = primals, tangents
+    x = eqx.error_if(x, ~jnp.all(jnp.isfinite(x)), "non-finite input")
+    return x, dx
+
+
+def test_fides_rejects_a_trial_point_whose_derivative_raises():
+    # The residuals are NaN for rate in (1.5, 4) (a solve that fails there), and
+    # their derivative raises at such points; the minimum is at 5, beyond them.
+    def residuals(m, t, y):
+        r = m["amp"] * jnp.exp(-m["rate"] * t) - y
+        bad = (m["rate"] > 1.5) & (m["rate"] < 4.0)
+        return _fails_off_finite(jnp.where(bad, jnp.nan, r))
+
+    start = {"amp": jnp.array(1.0), "rate": jnp.array(1.0)}
+    y = 3.0 * jnp.exp(-5.0 * T)
+    res = sciflat.least_squares(
+        residuals, start, args=(T, y), method="fides", progress=False
+    )
+    # Trial points in the gap were rejected, not raised; the fit ended below it.
+    assert res.raw is not None and res.raw.nfev > res.n_steps
+    assert float(res.model["rate"]) <= 1.5 and np.isfinite(res.loss)
+
+    # At a point with finite residuals, the derivative's error is the user's.
+    def raising(m, t, y):
+        r = m["amp"] * jnp.exp(-m["rate"] * t) - y
+        return _refused_above(r, m["rate"])
+
+    with pytest.raises((ValueError, RuntimeError), match="derivative refused"):
+        sciflat.least_squares(
+            raising, start, args=(T, y), method="fides", progress=False
+        )
+
+
+@jax.custom_jvp
+def _refused_above(r, rate):
+    return r
+
+
+@_refused_above.defjvp
+def _(primals, tangents):
+    (r, rate), (dr, _) = primals, tangents
+    r = eqx.error_if(r, rate > 1.2, "derivative refused")
+    return r, dr

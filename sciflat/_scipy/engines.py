@@ -129,8 +129,19 @@ class _Calls:
         return out
 
     def both(self, x):
-        """For Fides: the residuals and their Jacobian from one call."""
-        r, jac = self.jac_fn(x, self.leaves)
+        """For Fides: the residuals and their Jacobian from one call. Fides asks for
+        both at every trial point, where the residuals may be non-finite (an ODE
+        solve that failed), and a derivative can raise there (Lineax refuses a
+        non-finite linear solve in an implicit derivative). Then the residuals alone
+        decide: non-finite, the point is rejected as any such trial point; finite,
+        the error is the user's and is raised."""
+        try:
+            r, jac = self.jac_fn(x, self.leaves)
+        except (ValueError, RuntimeError):
+            r = np.array(self.res_fn(x, self.leaves))
+            if np.isfinite(r).all():
+                raise
+            return r, np.full((r.size, np.size(x)), np.nan)
         return np.array(r), np.array(jac)
 
     def seen(self, x, cost: float, r: np.ndarray, jac: np.ndarray) -> None:
