@@ -248,6 +248,45 @@ def test_a_wide_batch_equals_its_fits_alone_to_the_bit():
         np.testing.assert_array_equal(batch.n_evaluations[i], alone.n_evaluations[0])
 
 
+@pytest.mark.slow  # a batch program for 256 slots: 3-5 s
+def test_the_end_of_a_batch_evaluates_only_the_slots_of_running_fits():
+    """Once the queue is used up, the last fits running are gathered into an eighth
+    of the slots and only those are evaluated: counted, the slots evaluated in all
+    turns are far fewer than every slot at every turn. Five slow fits (far starts)
+    queued last keep the batch running long after the others; each of them, and
+    fits that ended before, equal their batch of one to the bit."""
+    from sciflat._device import batch as batch_module
+
+    rng = np.random.default_rng(5)
+    k, size = 300, 256
+    ys = MISRA.y + 0.1 * rng.standard_normal((k, len(MISRA.y)))
+    starts = np.tile(np.array(MISRA.starts[1]), (k, 1))
+    starts[-5:] = np.array(MISRA.starts[0]) * [[0.2, 1.0]]  # far: many evaluations
+    work = []
+    run_pool = batch_module._run_pool
+
+    def counted(*args, **kwargs):
+        host, how = run_pool(*args, **kwargs)
+        work.append(host["work"])
+        return host, how
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(batch_module, "_run_pool", counted)
+        batch = _misra_batch(ys, starts=starts, chunk_size=size)
+    (done,) = work
+    assert done["slots"] == size
+    nfev = batch.n_evaluations
+    assert nfev[-5:].min() > 2 * np.median(nfev[:-5])  # the slow fits end last
+    # Every evaluation is one slot of one turn; every slot at every turn would be
+    # `turns * size` (26 turns here: about 10 with the pool full, 16 with the five
+    # slow fits in the first 32 slots, 0.46 of that).
+    assert nfev.sum() <= done["evaluated"] < 0.6 * done["turns"] * size
+    for i in (0, 150, k - 5, k - 1):
+        alone = _misra_batch(ys[i : i + 1], starts=starts[i : i + 1])
+        np.testing.assert_array_equal(batch.p[i], alone.p[0])
+        np.testing.assert_array_equal(batch.n_evaluations[i], alone.n_evaluations[0])
+
+
 @pytest.mark.slow  # compiles the whole fit: 2-4 s on 2 quiet cores
 def test_failed_fits_are_reported_by_index(batch, replicates):
     assert batch.failed == [3, 5]

@@ -380,6 +380,10 @@ def least_squares_batch(
         chunk_size = _auto_chunk(m, len(re))
     size = k if chunk_size is None else max(1, min(int(chunk_size), k))
     size = -(-size // len(devices)) * len(devices)  # a multiple of the device count
+    if isinstance(algorithm, NormalEquations) and size // len(devices) >= _MIN_TAIL:
+        # Each device's slots a multiple of `_NARROW` (`_tail_width`).
+        per = -(-size // (len(devices) * _NARROW)) * _NARROW
+        size = per * len(devices)
     transforms = has_transforms(inputs.model)
     fits = _Fits(residuals, re, args, data, x0s, m, transforms)
     bar = progress_bar(enabled=progress and k > size, desc=_WHO, unit="fit", total=k)
@@ -430,6 +434,9 @@ class _Slots(NamedTuple):
 # What the host reads of each finished fit (the Jacobian only where it computes the
 # covariance itself).
 _GOT = ("id", "x", "cost", "nfev", "njev", "info", "cov", "full")
+# What the pool's calls computed, summed over them and the devices: their turns, and
+# the slots evaluated in those turns (`_run_pool`'s `work`).
+_WORK = ("turns", "evaluated")
 
 
 def _run_pool(
@@ -458,6 +465,7 @@ def _run_pool(
         full=np.zeros(k, bool),
     )
     jacs: dict[int, np.ndarray] = {}  # of the fits whose covariance the host computes
+    work = dict.fromkeys(_WORK, 0)
     pending: list[np.ndarray] = []  # those fits, where the program keeps no Jacobian
     slots: Any = None
     fn, how, used = None, "", ""
@@ -490,7 +498,9 @@ def _run_pool(
             )
             how = f"Jacobian: {used} mode"
         slots, out = fn(*placed[:4], last, opts, leaves)
-        got = jax.device_get({key: out[key] for key in _GOT})
+        got = jax.device_get({key: out[key] for key in (*_GOT, *_WORK)})
+        for key in _WORK:
+            work[key] += int(np.sum(got[key]))
         done = np.flatnonzero(np.asarray(got["id"]) >= 0)
         finished = np.asarray(got["id"])[done]
         for key in host:
@@ -506,7 +516,7 @@ def _run_pool(
         which = np.concatenate(pending)
         jac = _jacobians(fits, used, host["x"], which)
         jacs.update(zip(which.tolist(), jac, strict=True))
-    return dict(host, jac=jacs, m=m), how
+    return dict(host, jac=jacs, m=m, work=dict(work, slots=size)), how
 
 
 def _empty_states(k: int, n: int, m: int, dtype, algorithm: Algorithm) -> _lm.State:
@@ -676,23 +686,48 @@ def _build(pool: _Pool, residuals, re, rebuild, mode: str) -> Callable:
         fits' starts) evaluated, what each fit keeps of its
         evaluation summed in one pass (`_normal.moments`: `Jᵀf`, `JᵀJ`, the norms),
         then `_lm.started` and `_lm.accepted` slot by slot on those few numbers. No
-        Jacobian is carried from turn to turn, transposed or copied."""
+        Jacobian is carried from turn to turn, transposed or copied.
+
+        Where every slot that runs or starts a fit (`need`) is among the first
+        `_tail_width` slots (at the end of a batch, once `compacted` gathered the
+        running fits there), only those are evaluated; the others' readings are
+        zeros, which `_lm.accepted` leaves unread for a fit that does not run.
+        Returns the slots' states and the number of slots evaluated."""
         x_new = jax.vmap(_lm.trial_point)(states, steps)
         x = jnp.where(new[:, None], x0, x_new)
 
         def both(x, batched):
             return dls.with_jacobian(lambda x: r(x, [*shared, *batched]), mode)(x)
 
-        f, jac = over_slots(both, (0, 0))(x, data)
-        measure, g, a = _normal.moments(f, jac)
+        def reading(x, batched):
+            return _normal.moments(*over_slots(both, (0, 0))(x, batched))
+
+        size = x.shape[0]
+        width = _tail_width(size)
+        if width == size:
+            measure, g, a = reading(x, data)
+            evaluated = jnp.asarray(size, jnp.int32)
+        else:
+
+            def first(x, batched):
+                read = reading(x[:width], [u[:width] for u in batched])
+                rest = lambda u: jnp.zeros((size - width, *u.shape[1:]), u.dtype)
+                return jax.tree.map(lambda u: jnp.concatenate([u, rest(u)]), read)
+
+            need = (states.info == 0) | new
+            tail = ~jnp.any(need[width:])
+            measure, g, a = jax.lax.cond(tail, first, reading, x, data)
+            evaluated = jnp.where(tail, width, size).astype(jnp.int32)
         start = jax.vmap(lambda x, g, a, ms: _lm.started(x, g, a, opts, 1, ms))
         move = jax.vmap(
             lambda st, stp, x, g, a, ms: _lm.accepted(st, stp, x, g, a, opts, ms)
         )
         pick = lambda u, v: jnp.where(new.reshape(-1, *[1] * (u.ndim - 1)), u, v)
-        return jax.tree.map(
-            pick, start(x0, g, a, measure), move(states, steps, x_new, g, a, measure)
+        started, moved = (
+            start(x0, g, a, measure),
+            move(states, steps, x_new, g, a, measure),
         )
+        return jax.tree.map(pick, started, moved), evaluated
 
     def trial_steps(states, h, b):
         """Every slot's step. With the normal equations (`h`, `b`), a slot where
@@ -740,8 +775,32 @@ def _build(pool: _Pool, residuals, re, rebuild, mode: str) -> Callable:
             out = {key: out[key].at[to].set(new[key], mode="drop") for key in out}
             return jnp.where(done, -1, ids), out, at + jnp.sum(done, dtype=i32)
 
+        def compacted(states, ids, data):
+            """The slots with their running fits moved to the first `_tail_width`
+            slots where they all fit there and some are not there yet (`normal_turn`
+            then evaluates those slots only), else as they are. Each fit's state,
+            index and data move whole with it: its turns are the same in any slot."""
+            width = _tail_width(size)
+            busy = (ids >= 0) & (states.info == 0)
+            move = (jnp.sum(busy, dtype=i32) <= width) & jnp.any(busy[width:])
+
+            def moved(slots):
+                order = jnp.argsort(~busy, stable=True)
+                return jax.tree.map(lambda u: u[order], slots)
+
+            return jax.lax.cond(move, moved, lambda s: s, (states, ids, data))
+
         def body(carry):
-            states, ids, data, taken, out, at = carry
+            states, ids, data, taken, out, at, turns, computed = carry
+            if normal and _tail_width(size) < size:
+                # Once the queue is used up (the end of the last call), the running
+                # fits gathered into the tail's slots as soon as they fit there.
+                states, ids, data = jax.lax.cond(
+                    taken >= count,
+                    lambda s: compacted(*s),
+                    lambda s: s,
+                    (states, ids, data),
+                )
             h, b = equations(states)
             ids, out, at = collect(states, h, ids, out, at)
             free = ids < 0
@@ -755,18 +814,20 @@ def _build(pool: _Pool, residuals, re, rebuild, mode: str) -> Callable:
             ]
             states, steps = trial_steps(states, h, b)
             if normal:
-                states = normal_turn(
+                states, slots = normal_turn(
                     over_slots, states, steps, new, x0s[pick], opts, shared, data
                 )
             else:
                 states = turn(states, steps, new, x0s[pick], opts, shared, data)
-            return states, ids, data, taken + jnp.sum(new, dtype=i32), out, at
+                slots = jnp.asarray(size, i32)
+            taken = taken + jnp.sum(new, dtype=i32)
+            return states, ids, data, taken, out, at, turns + 1, computed + slots
 
         def running(carry):
             # The last call runs until every fit is collected: a turn after the
             # last one finished (a fit that finished at the last turn of another
             # call is collected at the first turn of the next).
-            _, ids, _, taken, _, _ = carry
+            _, ids, _, taken, *_ = carry
             return (taken < count) | (last & jnp.any(ids >= 0))
 
         like = lambda a: jnp.zeros((rows, *a.shape[1:]), a.dtype)
@@ -785,8 +846,12 @@ def _build(pool: _Pool, residuals, re, rebuild, mode: str) -> Callable:
         else:
             out.update(jac=like(states.jac))
         zero = jnp.zeros((), i32)
-        carry = (states, ids, data, zero, out, zero)
-        states, ids, data, _, out, _ = jax.lax.while_loop(running, body, carry)
+        carry = (states, ids, data, zero, out, zero, zero, zero)
+        states, ids, data, _, out, _, turns, computed = jax.lax.while_loop(
+            running, body, carry
+        )
+        # What the call computed: its turns, and the slots it evaluated in them.
+        out.update(turns=turns[None], evaluated=computed[None])
         # The covariance of each finished fit, once: from the normal equations where
         # well conditioned (else `full` is False and the host computes it from the
         # Jacobian's SVD), or from an SVD (`MinpackQR`, as the single device fit).
@@ -820,6 +885,23 @@ def _build(pool: _Pool, residuals, re, rebuild, mode: str) -> Callable:
         )(slots, x0s, ids, counts, last, opts, shared, batched)
 
     return fit
+
+
+# At the end of a batch (its queue used up), the normal equations' pool gathers the
+# running fits into its first `1 / _NARROW` slots once they fit there, and evaluates
+# those only (`_tail_width`): the emptied slots then cost no evaluation (residuals,
+# Jacobian, normal equations: most of a turn). Pools of fewer than `_MIN_TAIL` slots
+# a device have no tail width.
+_NARROW = 8
+_MIN_TAIL = 128
+
+
+def _tail_width(size: int) -> int:
+    """The slots evaluated at the end of a batch, of a device's `size` slots (the
+    pool's size where it has no tail width)."""
+    if size < _MIN_TAIL or size % _NARROW:
+        return size
+    return size // _NARROW
 
 
 def _triangle(h: list) -> jax.Array:
