@@ -465,7 +465,7 @@ def _run_pool(
         full=np.zeros(k, bool),
     )
     jacs: dict[int, np.ndarray] = {}  # of the fits whose covariance the host computes
-    work = dict.fromkeys(_WORK, 0)
+    work: dict[str, int] = dict.fromkeys(_WORK, 0)
     pending: list[np.ndarray] = []  # those fits, where the program keeps no Jacobian
     slots: Any = None
     fn, how, used = None, "", ""
@@ -516,7 +516,7 @@ def _run_pool(
         which = np.concatenate(pending)
         jac = _jacobians(fits, used, host["x"], which)
         jacs.update(zip(which.tolist(), jac, strict=True))
-    return dict(host, jac=jacs, m=m, work=dict(work, slots=size)), how
+    return dict(host, jac=jacs, m=m, work={**work, "slots": size}), how
 
 
 def _empty_states(k: int, n: int, m: int, dtype, algorithm: Algorithm) -> _lm.State:
