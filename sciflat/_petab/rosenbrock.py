@@ -24,7 +24,6 @@ from collections.abc import Callable
 from typing import ClassVar
 
 import diffrax
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 
@@ -97,36 +96,25 @@ _D = (
 )
 
 
-def _w_times(operator: tuple, x: jax.Array) -> jax.Array:
-    """`W x = x / (h γ) - J x`, `J` the Jacobian of the vector field at `(t0, y0)`:
-    `operator = (h, t0, y0, terms, args)`."""
-    h, t0, y0, terms, args = operator
-    jx = jax.jvp(lambda y: terms.vf(t0, y, args), (y0,), (x,))[1]
-    return x / (h * _GAMMA) - jx
+@jax.custom_jvp
+def _solve(inverse: jax.Array, w: jax.Array, b: jax.Array) -> jax.Array:
+    """`W⁻¹ b`, with `inverse` the inverse of `W` (taken without derivative).
 
-
-@eqx.filter_custom_jvp
-def _solve(inverse: jax.Array, operator: tuple, b: jax.Array) -> jax.Array:
-    """`W⁻¹ b`, with `inverse` the inverse of `W` (taken without derivative) and
-    `operator` what `W` is made of (for `_w_times`).
-
-    Its derivative is `W⁻¹ (db - dW x)`, `x = W⁻¹ b`, applied with the inverse
-    already there; `dW x` is one directional second derivative of the vector field
-    (`jax.jvp` of `_w_times`). JAX's own rules would differentiate `J` whole (a
-    second derivative per column of `J` and per tangent) and the inversion, in every
-    step, for each of the forward sensitivities' tangents."""
-    del operator
+    Its derivative is `W⁻¹ (db − dW x)`, `x = W⁻¹ b`, applied with the inverse
+    already there. `dW` is the tangent of `W = I / (h γ) − J`, that is of the
+    Jacobian `J`: JAX computes it once per step (the forward derivative of `J` in
+    the state and the parameters), and each of the eight stages applies it as one
+    product. JAX's own rules would differentiate the inversion too (triangular
+    solves of whole matrices, per tangent, in every step)."""
     return inverse @ b
 
 
-@_solve.def_jvp
+@_solve.defjvp
 def _solve_jvp(primals, tangents):
-    inverse, operator, b = primals
-    _, d_operator, db = tangents
+    inverse, _, b = primals
+    _, dw, db = tangents
     x = inverse @ b
-    _, dw_x = eqx.filter_jvp(lambda op: _w_times(op, x), (operator,), (d_operator,))
-    rhs = -dw_x if db is None else db - dw_x
-    return x, inverse @ rhs
+    return x, inverse @ (db - dw @ x)
 
 
 class Rodas5P(diffrax.AbstractAdaptiveSolver):
@@ -191,7 +179,6 @@ class Rodas5P(diffrax.AbstractAdaptiveSolver):
             return terms.vf(t, y, args)
 
         dt_f = jax.jvp(lambda t: f(t, y0), (t0,), (jnp.ones_like(t0),))[1]
-        # `W` inverted without its derivative: `_solve` differentiates the solves.
         jac = jax.jacfwd(lambda y: f(t0, y))(y0)
         n = y0.shape[0]
         w = jnp.eye(n, dtype=y0.dtype) / (h * _GAMMA) - jac
@@ -199,8 +186,8 @@ class Rodas5P(diffrax.AbstractAdaptiveSolver):
         # each stage's solve is then a product, which fuses with the stage; on the
         # host a triangular solve of one vector is a call of microseconds, more than
         # a small model's vector field. Its rounding is the LU solve's, cond(W) eps.
+        # `_solve` differentiates the solves with `W`'s own tangent.
         inverse = jnp.linalg.inv(jax.lax.stop_gradient(w))
-        operator = (h, t0, y0, terms, args)
         us: list[jax.Array] = []
         y_stage = y0
         for i in range(8):
@@ -213,7 +200,7 @@ class Rodas5P(diffrax.AbstractAdaptiveSolver):
                 rhs = rhs + sum(c * u for c, u in zip(_C[i - 1], us, strict=True)) / h
             if _D[i]:
                 rhs = rhs + (h * _D[i]) * dt_f
-            us.append(_solve(inverse, operator, rhs))
+            us.append(_solve(inverse, w, rhs))
         y1 = y_stage + us[-1]
         dense_info = dict(y0=y0, y1=y1)
         return y1, us[-1], dense_info, None, diffrax.RESULTS.successful
