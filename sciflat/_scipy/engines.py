@@ -134,13 +134,15 @@ class _Calls:
         solve that failed), and a derivative can raise there (Lineax refuses a
         non-finite linear solve in an implicit derivative). Then the residuals alone
         decide: non-finite, the point is rejected as any such trial point; finite,
-        the error is the user's and is raised."""
+        the run stops as at a non-finite Jacobian, with the error in its message."""
         try:
             r, jac = self.jac_fn(x, self.leaves)
-        except (ValueError, RuntimeError):
+        except (ValueError, RuntimeError) as e:
             r = np.array(self.res_fn(x, self.leaves))
             if np.isfinite(r).all():
-                raise
+                what = f"The Jacobian could not be computed ({_error_line(e)})"
+                where = f"call {self.tracker.n_calls + 1}"
+                raise NonFinite(self._message(what, where, x, None)) from e
             return r, np.full((r.size, np.size(x)), np.nan)
         return np.array(r), np.array(jac)
 
@@ -171,8 +173,10 @@ class _Calls:
         self.tracker.iteration(x, _cost(self.fun(x)) if cost is None else cost)
         return out
 
-    def _message(self, what: str, where: str, x, jac: np.ndarray) -> str:
+    def _message(self, what: str, where: str, x, jac: np.ndarray | None) -> str:
         # The parameters whose Jacobian column is non-finite are named.
+        if jac is None:
+            return nonfinite_message(what, where, x, None, self.re, "Jacobian")
         columns = np.where(np.isfinite(jac), 0.0, np.nan).sum(0)
         return nonfinite_message(what, where, x, columns, self.re, "Jacobian")
 
@@ -232,3 +236,11 @@ def _last_one(f: Callable[[np.ndarray], np.ndarray]) -> Callable:
 
 def _cost(residuals: np.ndarray) -> float:
     return 0.5 * float(residuals @ residuals)  # overflow: `call` ignores it
+
+
+def _error_line(e: Exception) -> str:
+    """The line of an error from a compiled call that says what went wrong: a host
+    callback's (Equinox's runtime checks) is inside JAX's own message."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    said = [ln for ln in lines if "Error: " in ln and "CpuCallback" not in ln]
+    return said[-1].lstrip("_") if said else f"{type(e).__name__}: {lines[:1]}"
