@@ -100,52 +100,62 @@ def lmpar(h: list, b: list, delta, par, active):
     scaled step `D p = -a` (`a` a list of arrays over the lanes). `ill`: the
     Cholesky of `J̃ᵀJ̃` has a pivot under `TOO_SMALL` eps of its diagonal (then `par`
     and `a` are not to be used). A lane not `active` (its fit has finished, or its
-    slot is empty: its step is not used) takes no turn of Moré's iteration."""
+    slot is empty: its step is not used) takes no turn of Moré's iteration.
+
+    One loop: its first turn solves every lane's Gauss–Newton step (`par` 0) and
+    sets Moré's bracket from it, the later turns are Moré's iteration, so that the
+    program holds one Cholesky and its solves, not two (the turn's compile time)."""
     n = len(b)
     dtype = h[0][0].dtype
     eps = jnp.finfo(dtype).eps
     dwarf = jnp.finfo(dtype).tiny
-    low, pivots = cholesky(h, 0.0)
-    ill = jnp.zeros(delta.shape, bool)
-    for j in range(n):
-        ill = ill | (pivots[j] <= TOO_SMALL * eps * h[j][j])
-    a_gn = backward(low, forward(low, b))
-    dxnorm = jnp.sqrt(_norm2(a_gn))
-    fp = dxnorm - delta
-    gauss_newton = fp <= 0.1 * delta
-    dx_safe = jnp.where(dxnorm > 0, dxnorm, 1.0)
-    curvature = _norm2(forward(low, a_gn)) / dx_safe**2
-    parl = jnp.where(
-        curvature > 0, fp / delta / jnp.where(curvature > 0, curvature, 1.0), 0.0
-    )
     gnorm = jnp.sqrt(_norm2(b))
-    paru = gnorm / delta
-    paru = jnp.where(paru == 0, dwarf / jnp.minimum(delta, 0.1), paru)
-    par = jnp.minimum(jnp.maximum(par, parl), paru)
-    par = jnp.where(par == 0, gnorm / dx_safe, par)
+    paru0 = gnorm / delta
+    paru0 = jnp.where(paru0 == 0, dwarf / jnp.minimum(delta, 0.1), paru0)
+
+    def solve(par_try):
+        low, pivots = cholesky(h, par_try)
+        a = backward(low, forward(low, b))
+        return pivots, a, jnp.sqrt(_norm2(a)), _norm2(forward(low, a))
 
     def turn(carry):
-        par, parl, paru, fp, a, done, it = carry
+        par, parl, paru, fp, a, done, it, gn, ill = carry
+        first = it == 0
         par_try = jnp.where(par == 0, jnp.maximum(dwarf, 0.001 * paru), par)
-        low, _ = cholesky(h, par_try)
-        a_try = backward(low, forward(low, b))
-        dx, curv_sum = jnp.sqrt(_norm2(a_try)), _norm2(forward(low, a_try))
-        stop, new = _lm.more_turn(par_try, dx, curv_sum, fp, parl, paru, delta, it)
-        return (
-            *_lm.kept(done, (par, parl, paru, fp, a), (*new, a_try)),
-            done | stop,
-            it + 1,
+        pivots, a_try, dx, curv_sum = solve(jnp.where(first, 0.0, par_try))
+        # The first turn: the Gauss–Newton step, whether it is `ill`, and the
+        # bracket of Moré's parameter (MINPACK's `lmpar` before its iteration).
+        bad = jnp.zeros(delta.shape, bool)
+        for j in range(n):
+            bad = bad | (pivots[j] <= TOO_SMALL * eps * h[j][j])
+        fp0 = dx - delta
+        gauss_newton = fp0 <= 0.1 * delta
+        dx_safe = jnp.where(dx > 0, dx, 1.0)
+        curvature = curv_sum / dx_safe**2
+        parl0 = jnp.where(
+            curvature > 0, fp0 / delta / jnp.where(curvature > 0, curvature, 1.0), 0.0
         )
+        par0 = jnp.minimum(jnp.maximum(par, parl0), paru0)
+        par0 = jnp.where(par0 == 0, gnorm / dx_safe, par0)
+        start = (par0, parl0, paru0, fp0, a_try)
+        # A later turn: Moré's (its turns counted from 0, as `lm._lmpar`'s).
+        stop, new = _lm.more_turn(par_try, dx, curv_sum, fp, parl, paru, delta, it - 1)
+        later = _lm.kept(done, (par, parl, paru, fp, a), (*new, a_try))
+        kept = jax.tree.map(lambda u, v: jnp.where(first, u, v), start, later)
+        # A lane whose step is `ill` (or Gauss–Newton) takes no turn of its own;
+        # each lane's own turns are those it takes alone (its counter stops with it).
+        done = jnp.where(first, gauss_newton | bad | ~active, done | stop)
+        gn = jnp.where(first, gauss_newton, gn)
+        ill = jnp.where(first, bad, ill)
+        return (*kept, done, it + 1, gn, ill)
 
-    # A lane whose step is `ill` (or Gauss–Newton) takes no turn of its own; each
-    # lane's own turns are those it takes alone (its counter stops with it).
-    done = gauss_newton | ill | ~active
-    it = jnp.zeros(delta.shape, jnp.int32)
-    init = (par, parl, paru, fp, a_gn, done, it)
-    par, _, _, _, a, _, _ = jax.lax.while_loop(lambda c: ~jnp.all(c[5]), turn, init)
-    par = jnp.where(gauss_newton, 0.0, par)
-    a = [jnp.where(gauss_newton, x, y) for x, y in zip(a_gn, a, strict=True)]
-    return par, a, ill
+    zero = jnp.zeros(delta.shape, dtype)
+    false = jnp.zeros(delta.shape, bool)
+    init = (par, zero, paru0, zero, [zero] * n, false, 0, false, false)
+    par, _, _, _, a, _, _, gn, ill = jax.lax.while_loop(
+        lambda c: (c[6] == 0) | ~jnp.all(c[5]), turn, init
+    )
+    return jnp.where(gn, 0.0, par), a, ill
 
 
 def pairs(n: int) -> list[tuple[int, int]]:
