@@ -140,11 +140,12 @@ def test_fides_rejects_a_trial_point_whose_derivative_raises():
         r = m["amp"] * jnp.exp(-m["rate"] * t) - y
         return _refused_above(r, m["rate"])
 
-    res = sciflat.least_squares(
-        raising, start, args=(T, y), method="fides", progress=False
-    )
-    assert res.status == "nonfinite" and "derivative refused" in res.message
-    assert float(res.model["rate"]) <= 1.2 and np.isfinite(res.loss)
+    for method in ("fides", "trf"):  # SciPy's methods stop there alike
+        res = sciflat.least_squares(
+            raising, start, args=(T, y), method=method, progress=False
+        )
+        assert res.status == "nonfinite" and "derivative refused" in res.message
+        assert np.isfinite(res.loss)  # the best point seen (`trf`: a trial point)
 
 
 @jax.custom_jvp
@@ -155,5 +156,5 @@ def _refused_above(r, rate):
 @_refused_above.defjvp
 def _(primals, tangents):
     (r, rate), (dr, _) = primals, tangents
-    r = eqx.error_if(r, rate > 1.2, "derivative refused")
+    dr = eqx.error_if(dr, rate > 1.2, "derivative refused")
     return r, dr

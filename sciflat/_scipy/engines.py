@@ -164,9 +164,13 @@ class _Calls:
         tracker.seen(x, cost)
 
     def jac(self, x, *_):
-        out = np.array(self.jac_fn(x, self.leaves))
+        where = f"iteration {len(self.tracker.history) + 1}"
+        try:
+            out = np.array(self.jac_fn(x, self.leaves))
+        except (ValueError, RuntimeError) as e:  # e.g. Equinox's runtime checks
+            what = f"The Jacobian could not be computed ({_error_line(e)})"
+            raise NonFinite(self._message(what, where, x, None)) from e
         if not np.isfinite(out).all():
-            where = f"iteration {len(self.tracker.history) + 1}"
             raise NonFinite(self._message("The Jacobian is non-finite", where, x, out))
         # SciPy asks for the Jacobian once per iteration, at the accepted point.
         cost = self.tracker.cost_at(x)

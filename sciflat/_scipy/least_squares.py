@@ -206,8 +206,11 @@ def _on_host(
         if run.raw is not None:
             jac = run.raw.jac
         else:  # stopped: one more call (Fides's program gives `(r, J)`)
-            jac = jac_fn(run.x, leaves)
-            jac = jac[1] if kind == "both" else jac
+            try:
+                jac = jac_fn(run.x, leaves)
+                jac = jac[1] if kind == "both" else jac
+            except (ValueError, RuntimeError):  # it failed there: no errors given
+                jac = None
     how = f"method: {engine.method}; Jacobian: {used} mode"
     return _fit_result(run, jac, tracker, re, m, n_calls, how)
 
