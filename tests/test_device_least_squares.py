@@ -250,9 +250,9 @@ def test_a_wide_batch_equals_its_fits_alone_to_the_bit():
 
 @pytest.mark.slow  # a batch program for 256 slots: 3-5 s
 def test_the_end_of_a_batch_evaluates_only_the_slots_of_running_fits():
-    """Once the queue is used up, the last fits running are gathered into an eighth
-    of the slots and only those are evaluated: counted, the slots evaluated in all
-    turns are far fewer than every slot at every turn. Five slow fits (far starts)
+    """Once at most an eighth of the slots hold running fits (the queue used up),
+    only those are evaluated: counted, the slots evaluated in all turns are far
+    fewer than every slot at every turn. Five slow fits (far starts)
     queued last keep the batch running long after the others; each of them, and
     fits that ended before, equal their batch of one to the bit."""
     from sciflat._device import batch as batch_module
@@ -279,7 +279,7 @@ def test_the_end_of_a_batch_evaluates_only_the_slots_of_running_fits():
     assert nfev[-5:].min() > 2 * np.median(nfev[:-5])  # the slow fits end last
     # Every evaluation is one slot of one turn; every slot at every turn would be
     # `turns * size` (26 turns here: about 10 with the pool full, 16 with the five
-    # slow fits in the first 32 slots, 0.46 of that).
+    # slow fits evaluated in 32 rows, 0.46 of that).
     assert nfev.sum() <= done["evaluated"] < 0.6 * done["turns"] * size
     for i in (0, 150, k - 5, k - 1):
         alone = _misra_batch(ys[i : i + 1], starts=starts[i : i + 1])

@@ -688,11 +688,11 @@ def _build(pool: _Pool, residuals, re, rebuild, mode: str) -> Callable:
         then `_lm.started` and `_lm.accepted` slot by slot on those few numbers. No
         Jacobian is carried from turn to turn, transposed or copied.
 
-        Where every slot that runs or starts a fit (`need`) is among the first
-        `_tail_width` slots (at the end of a batch, once `compacted` gathered the
-        running fits there), only those are evaluated; the others' readings are
-        zeros, which `_lm.accepted` leaves unread for a fit that does not run.
-        Returns the slots' states and the number of slots evaluated."""
+        Where at most `_tail_width` slots run or start a fit (`need`: at the end
+        of a batch), only those are evaluated, gathered into that many rows; the
+        others' readings are zeros, which `_lm.accepted` leaves unread for a fit
+        that does not run. Returns the slots' states and the number of slots
+        evaluated."""
         x_new = jax.vmap(_lm.trial_point)(states, steps)
         x = jnp.where(new[:, None], x0, x_new)
 
@@ -704,20 +704,31 @@ def _build(pool: _Pool, residuals, re, rebuild, mode: str) -> Callable:
 
         size = x.shape[0]
         width = _tail_width(size)
+        need = (states.info == 0) | new
         if width == size:
             measure, g, a = reading(x, data)
             evaluated = jnp.asarray(size, jnp.int32)
         else:
+            i32 = jnp.int32
 
-            def first(x, batched):
-                read = reading(x[:width], [u[:width] for u in batched])
-                rest = lambda u: jnp.zeros((size - width, *u.shape[1:]), u.dtype)
-                return jax.tree.map(lambda u: jnp.concatenate([u, rest(u)]), read)
+            def narrow(x, batched):
+                # Slot `j` is row `to[j]` of the narrow evaluation (`width`: none).
+                to = jnp.where(need, jnp.cumsum(need, dtype=i32) - 1, width)
+                rows = jnp.zeros(width, i32).at[to].set(jnp.arange(size, dtype=i32))
+                read = reading(x[rows], [u[rows] for u in batched])
+                back = jnp.minimum(to, width - 1)
+                return jax.tree.map(
+                    lambda u: jnp.where(
+                        need.reshape(-1, *[1] * (u.ndim - 1)),
+                        u[back],
+                        jnp.zeros((), u.dtype),
+                    ),
+                    read,
+                )
 
-            need = (states.info == 0) | new
-            tail = ~jnp.any(need[width:])
-            measure, g, a = jax.lax.cond(tail, first, reading, x, data)
-            evaluated = jnp.where(tail, width, size).astype(jnp.int32)
+            tail = jnp.sum(need, dtype=i32) <= width
+            measure, g, a = jax.lax.cond(tail, narrow, reading, x, data)
+            evaluated = jnp.where(tail, width, size).astype(i32)
         start = jax.vmap(lambda x, g, a, ms: _lm.started(x, g, a, opts, 1, ms))
         move = jax.vmap(
             lambda st, stp, x, g, a, ms: _lm.accepted(st, stp, x, g, a, opts, ms)
@@ -775,32 +786,8 @@ def _build(pool: _Pool, residuals, re, rebuild, mode: str) -> Callable:
             out = {key: out[key].at[to].set(new[key], mode="drop") for key in out}
             return jnp.where(done, -1, ids), out, at + jnp.sum(done, dtype=i32)
 
-        def compacted(states, ids, data):
-            """The slots with their running fits moved to the first `_tail_width`
-            slots where they all fit there and some are not there yet (`normal_turn`
-            then evaluates those slots only), else as they are. Each fit's state,
-            index and data move whole with it: its turns are the same in any slot."""
-            width = _tail_width(size)
-            busy = (ids >= 0) & (states.info == 0)
-            move = (jnp.sum(busy, dtype=i32) <= width) & jnp.any(busy[width:])
-
-            def moved(slots):
-                order = jnp.argsort(~busy, stable=True)
-                return jax.tree.map(lambda u: u[order], slots)
-
-            return jax.lax.cond(move, moved, lambda s: s, (states, ids, data))
-
         def body(carry):
             states, ids, data, taken, out, at, turns, computed = carry
-            if normal and _tail_width(size) < size:
-                # Once the queue is used up (the end of the last call), the running
-                # fits gathered into the tail's slots as soon as they fit there.
-                states, ids, data = jax.lax.cond(
-                    taken >= count,
-                    lambda s: compacted(*s),
-                    lambda s: s,
-                    (states, ids, data),
-                )
             h, b = equations(states)
             ids, out, at = collect(states, h, ids, out, at)
             free = ids < 0
@@ -887,11 +874,11 @@ def _build(pool: _Pool, residuals, re, rebuild, mode: str) -> Callable:
     return fit
 
 
-# At the end of a batch (its queue used up), the normal equations' pool gathers the
-# running fits into its first `1 / _NARROW` slots once they fit there, and evaluates
-# those only (`_tail_width`): the emptied slots then cost no evaluation (residuals,
-# Jacobian, normal equations: most of a turn). Pools of fewer than `_MIN_TAIL` slots
-# a device have no tail width.
+# At the end of a batch (its queue used up), once at most `1 / _NARROW` of the normal
+# equations' slots hold running fits, those slots alone are evaluated, gathered
+# (`_tail_width`): the emptied slots then cost no evaluation (residuals, Jacobian,
+# normal equations: most of a turn). Pools of fewer than `_MIN_TAIL` slots a device
+# have no tail width.
 _NARROW = 8
 _MIN_TAIL = 128
 
