@@ -51,9 +51,11 @@ def test_fides_keeps_to_the_bounds_as_trf_does():
 
 def test_fides_takes_residuals_and_jacobian_in_one_call_per_evaluation(monkeypatch):
     calls: dict = {}
+    requested: list = []
     real_get = _programs.Programs.get
 
     def get(self, kind, *a, **k):
+        requested.append(kind)
         fn = real_get(self, kind, *a, **k)
 
         def spy(*args):
@@ -69,6 +71,20 @@ def test_fides_takes_residuals_and_jacobian_in_one_call_per_evaluation(monkeypat
     # none of the residuals alone.
     assert set(calls) == {"both"}, calls
     assert calls["both"] == res.n_evaluations == res.raw.nfev > 2
+    assert requested == ["both"]  # the residuals alone are not even traced
+
+
+def test_fides_with_more_parameters_than_residuals_takes_reverse_mode():
+    # Two residuals, three parameters: the Jacobian by reverse mode; the minimum
+    # is a manifold, any point of it has zero cost.
+    res = sciflat.least_squares(
+        lambda m: jnp.stack([m["a"] + m["b"] - 1.0, m["b"] * m["c"] - 2.0]),
+        {"a": jnp.array(0.5), "b": jnp.array(0.5), "c": jnp.array(0.5)},
+        method="fides",
+        progress=False,
+    )
+    assert res.status == "converged" and "reverse mode" in res.message
+    assert res.loss < 1e-12
 
 
 def test_fides_with_bfgs_and_its_iteration_limit():

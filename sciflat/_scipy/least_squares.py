@@ -168,11 +168,23 @@ def _on_host(
     lb_ub = flat_bounds(bounds, re, start)
     programs = Programs(_build, residuals, re, inputs.args)
     leaves = programs.leaves
-    res_fn = programs.get("residuals", "none", start)
-    m = programs.out_info["residuals"].shape[0]
-    modes = choose_modes(mode, len(re) <= m)
-    kind = "both" if method == "fides" else "jacobian"
-    jac_fn, used = programs.first_working(kind, modes, start)
+    if method == "fides":  # Fides takes both from one program: no other traced
+        kind = "both"
+        jac_fn, used = programs.first_working(kind, choose_modes(mode, True), start)
+        m = programs.out_info[kind][0].shape[0]
+        if mode == "auto" and len(re) > m:  # more parameters than residuals
+            jac_fn, used = programs.first_working(kind, ["reverse", "forward"], start)
+
+        def res_fn(x, leaves):  # only where a derivative failed
+            return programs.get("residuals", "none", start)(x, leaves)
+
+    else:
+        kind = "jacobian"
+        res_fn = programs.get("residuals", "none", start)
+        m = programs.out_info["residuals"].shape[0]
+        jac_fn, used = programs.first_working(
+            kind, choose_modes(mode, len(re) <= m), start
+        )
     limit = blas_threads_limit(blas_threads, len(re) * m)
     engine = _engine(method, lb_ub is None, m, len(re), kwargs)
 
