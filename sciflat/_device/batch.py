@@ -344,8 +344,10 @@ def least_squares_batch(
     - `chunk_size`: the number of slots that run at once (one compilation for any
         K): each slot takes the next fit when its own has finished, so a slow fit
         holds only its slot. Default: all at once on an accelerator; on a CPU, about
-        4 MB of Jacobians (722 slots for 121 residuals and 5 parameters), which keeps
-        each turn in cache. A progress bar counts the finished fits when K is larger.
+        4 MB of Jacobians (728 slots for 121 residuals and 5 parameters), which keeps
+        each turn in cache. With `NormalEquations`, a pool of 128 slots or more a
+        device is rounded up to a multiple of 8 (its last turns evaluate an eighth
+        of them). A progress bar counts the finished fits when K is larger.
     - `progress`: show that bar.
     - `algorithm`: [`sciflat.NormalEquations`][] (default) or
         [`sciflat.MinpackQR`][].
