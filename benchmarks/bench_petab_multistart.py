@@ -162,9 +162,13 @@ def _pypesto(variant: str, limit: float, out: str, name: str):
         )
         seconds = time.perf_counter() - begun
         best = result.optimize_result.list[0]
-        x = dict(zip(problem.x_names, np.asarray(best.x, float), strict=True))
+        if best.x is None:  # no point was evaluated (the start's solve failed)
+            x, fval = dict(zip(problem.x_names, x0, strict=True)), np.inf
+        else:
+            x = dict(zip(problem.x_names, np.asarray(best.x, float), strict=True))
+            fval = float(best.fval) if best.fval is not None else np.inf
         return dict(
-            nll=float(best.fval),
+            nll=fval,
             seconds=seconds,
             nfev=int(best.n_fval or -1),
             timed_out=seconds > limit,
