@@ -34,6 +34,8 @@ except ImportError:  # pragma: no cover (the `petab` extra installs them)
         'sciflat\'s PEtab reader needs diffrax: pip install "sciflat[petab]".'
     ) from None
 
+from .controller import RejectionLimit
+
 
 class ReactionODE(eqx.Module):
     """The vector field of a PEtab problem's SBML model in one condition: an Equinox
@@ -374,9 +376,13 @@ class Objective:
             # Steps end at the measurement times: there the solution is the step's
             # own (5th order), not the solver's interpolation (3rd order Hermite for
             # Kvaerno5, 1e-7 off for Boehm at rtol 1e-8 against 6e-9 like this).
-            stepsize_controller=diffrax.ClipStepSizeController(
-                diffrax.PIDController(rtol=self.rtol, atol=self.atol),
-                step_ts=jnp.asarray(ts[ts > 0], x0.dtype),
+            # A solve that rejects 30 steps in a row has failed (a blow-up, NaN
+            # rates): it stops there, as CVODES does, not at `max_steps`.
+            stepsize_controller=RejectionLimit(
+                diffrax.ClipStepSizeController(
+                    diffrax.PIDController(rtol=self.rtol, atol=self.atol),
+                    step_ts=jnp.asarray(ts[ts > 0], x0.dtype),
+                )
             ),
             adjoint=diffrax.ForwardMode(),
             max_steps=self._max_steps,
