@@ -416,7 +416,9 @@ def petab_problem(
     - `solver`: a Diffrax solver (default `diffrax.Kvaerno5` with
         the chord method as its root finder, converged in the step's tolerance on
         the state: stiff, 5th order).
-    - `max_steps`: of each solve; a solve that fails makes `nll` infinite and the
+    - `max_steps`: of each solve; a solve that fails (at `max_steps`, or after 30
+        rejected steps in a row, as CVODES gives up: a blow-up, rates that are not
+        defined there) makes `nll` infinite and the
         `residuals` NaN (a fit then stops, rather than using a wrong value).
 
     **Returns:**
