@@ -156,6 +156,13 @@ def test_fides_rejects_a_trial_point_whose_derivative_raises():
         r = m["amp"] * jnp.exp(-m["rate"] * t) - y
         return _refused_above(r, m["rate"])
 
+    # A start where the residuals are NaN and the derivative raises: stopped there,
+    # said so (the message names no Jacobian columns then).
+    nan_start = {"amp": jnp.array(1.0), "rate": jnp.array(2.0)}
+    res = sciflat.least_squares(
+        residuals, nan_start, args=(T, y), method="trf", progress=False
+    )
+    assert res.status == "nonfinite" and "non-finite" in res.message
     for method in ("fides", "trf"):  # SciPy's methods stop there alike
         res = sciflat.least_squares(
             raising, start, args=(T, y), method=method, progress=False

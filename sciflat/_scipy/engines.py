@@ -119,7 +119,10 @@ class _Calls:
         cost = _cost(out)
         nonfinite = not math.isfinite(cost) and not np.isfinite(out).all()
         if nonfinite and tracker.n_calls == 0:
-            jac = np.asarray(self.jac_fn(x, self.leaves))
+            try:  # to name the parameters whose Jacobian columns are non-finite
+                jac = np.asarray(self.jac_fn(x, self.leaves))
+            except (ValueError, RuntimeError):  # it raised there too
+                jac = None
             where = f"call {tracker.n_calls + 1} (iteration {len(tracker.history)})"
             n_bad = int((~np.isfinite(out)).sum())
             what = f"The residuals are non-finite ({n_bad} entries)"
