@@ -129,7 +129,7 @@ _fails_off_finite = jax.custom_jvp(_fails_off_finite)
 def _(primals, tangents):
     # As Lineax in an ODE solve's implicit derivative: a non-finite input raises.
     (x,), (dx,) = primals, tangents
-    x = eqx.error_if(x, ~jnp.all(jnp.isfinite(x)), "non-finite input")
+    dx = eqx.error_if(dx, ~jnp.all(jnp.isfinite(x)), "non-finite input")
     return x, dx
 
 
