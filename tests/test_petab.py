@@ -730,17 +730,21 @@ def test_rate_laws_are_the_symbolic_right_hand_side():
     sym = lambda k: sympy.Symbol(k, real=True)
     x, k = [sym(s) for s in ode.species], [sym(c) for c in ode.constants]
     scalar = sympy.lambdify([ode.time, x, k], list(ode.rhs), modules="numpy")
+    # Jitted: one program each (eagerly, each of their hundreds of operations is
+    # compiled on its own).
+    evaluate, jacobian = jax.jit(rhs), jax.jit(rhs.jacobian)
+    jacfwd = jax.jit(jax.jacfwd(rhs.evaluate, argnums=1))
     rng = np.random.default_rng(0)
     for _ in range(3):
         t, xv, kv = 1.5, rng.uniform(0.1, 1e3, len(x)), rng.uniform(0.1, 10, len(k))
         want = np.asarray(scalar(t, xv, kv), np.float64)
-        got = np.asarray(rhs(jnp.asarray(t), jnp.asarray(xv), jnp.asarray(kv)))
+        args = (jnp.asarray(t), jnp.asarray(xv), jnp.asarray(kv))
+        got = np.asarray(evaluate(*args))
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12 * abs(want).max())
         # The analytic Jacobian against JAX's own derivative.
-        args = (jnp.asarray(t), jnp.asarray(xv), jnp.asarray(kv))
-        want_j = jax.jacfwd(rhs.evaluate, argnums=1)(*args)
+        want_j = jacfwd(*args)
         np.testing.assert_allclose(
-            rhs.jacobian(*args), want_j, rtol=1e-12, atol=1e-12 * abs(want_j).max()
+            jacobian(*args), want_j, rtol=1e-12, atol=1e-12 * abs(want_j).max()
         )
 
 
@@ -857,8 +861,8 @@ def test_laske_log_likelihood_is_amicis():
     )
 
 
-@pytest.mark.slow  # compiles nll and its gradient at three tolerances: seconds
-def test_check_tolerances_says_when_the_gradient_is_not_converged(tmp_path, small):
+@pytest.mark.slow  # compiles nll and its gradient at four tolerances (Tsit5): seconds
+def test_check_tolerances_says_when_the_gradient_is_not_converged(tmp_path):
     # Loose tolerances: the check solves again 1e5 times tighter, where nll is the
     # closed form's, and says the gradient moved; at tight ones it says nothing.
     # The loose problem is solved by an explicit method (compiled in a fraction of
@@ -870,7 +874,9 @@ def test_check_tolerances_says_when_the_gradient_is_not_converged(tmp_path, smal
     assert out["sensitive"] and out["rtol"] == (1e-3, 1e-3 / 1e5)
     np.testing.assert_allclose(out["nll"][1], small_nll(), rtol=1e-7)
     assert out["grad_error"] > 1e-3 or out["nll_error"] > 1e-6
-    tight = small  # rtol 1e-10, atol 1e-12: its nll and gradient already compiled
+    # Tight tolerances, by the same explicit method (the default implicit one at
+    # `factor` times tighter would compile a program of its own, ~15 s).
+    tight = sciflat.petab_problem(path, rtol=1e-10, atol=1e-12, solver=diffrax.Tsit5())
     import warnings
 
     with warnings.catch_warnings():
