@@ -861,8 +861,8 @@ def test_laske_log_likelihood_is_amicis():
     )
 
 
-@pytest.mark.slow  # compiles nll and its gradient at four tolerances (Tsit5): seconds
-def test_check_tolerances_says_when_the_gradient_is_not_converged(tmp_path):
+@pytest.mark.slow  # compiles two problems' nll and gradient (Tsit5): seconds
+def test_check_tolerances_says_when_the_gradient_is_not_converged(tmp_path, caplog):
     # Loose tolerances: the check solves again 1e5 times tighter, where nll is the
     # closed form's, and says the gradient moved; at tight ones it says nothing.
     # The loose problem is solved by an explicit method (compiled in a fraction of
@@ -874,8 +874,8 @@ def test_check_tolerances_says_when_the_gradient_is_not_converged(tmp_path):
     assert out["sensitive"] and out["rtol"] == (1e-3, 1e-3 / 1e5)
     np.testing.assert_allclose(out["nll"][1], small_nll(), rtol=1e-7)
     assert out["grad_error"] > 1e-3 or out["nll_error"] > 1e-6
-    # Tight tolerances, by the same explicit method (the default implicit one at
-    # `factor` times tighter would compile a program of its own, ~15 s).
+    # Tight tolerances, by the same explicit method (cheaper to compile than the
+    # default implicit one).
     tight = sciflat.petab_problem(path, rtol=1e-10, atol=1e-12, solver=diffrax.Tsit5())
     import warnings
 
@@ -884,6 +884,13 @@ def test_check_tolerances_says_when_the_gradient_is_not_converged(tmp_path):
         out = tight.check_tolerances(tight.nominal)
     assert not out["sensitive"] and out["grad_error"] < 1e-3
     np.testing.assert_allclose(out["nll"], small_nll(), rtol=1e-8)
+    # The tolerances are the program's inputs: another factor compiles nothing.
+    with jax.log_compiles(True), caplog.at_level("WARNING"):
+        again = tight.check_tolerances(tight.nominal, factor=10.0)
+    compiled = [r.getMessage() for r in caplog.records]
+    assert not [m for m in compiled if m.startswith("Compiling")], compiled
+    assert again["rtol"] == pytest.approx((1e-10, 1e-11))
+    assert again["nll"][0] == out["nll"][0]
     with pytest.raises(ValueError, match="`factor` must be > 1"):
         tight.check_tolerances(tight.nominal, factor=0.5)
 

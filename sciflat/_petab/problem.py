@@ -118,11 +118,18 @@ class PetabProblem:
         self.nll = strongly_typed(jax.jit(self._nll))
         self.residuals = strongly_typed(jax.jit(self._residuals))
         self._neg_log_prior = strongly_typed(jax.jit(objective.neg_log_prior))
-        self._value_and_grad = strongly_typed(jax.jit(jax.value_and_grad(self._nll)))
-        self._tighter: dict[float, Any] = {}
+        # `check_tolerances`' program: the tolerances are its inputs, so that the
+        # tighter solve runs the same compiled program as this problem's own.
+        at = strongly_typed(jax.jit(jax.value_and_grad(self._nll_at)))
+        self._value_and_grad_at = at
 
     def _nll(self, model: dict[str, Any]) -> Scalar:
         return self._objective.nll(model)
+
+    def _nll_at(self, model: dict[str, Any], tolerances: Array) -> Scalar:
+        """`nll` solved at `tolerances` = `(rtol, atol)`, traced values."""
+        rtol, atol = tolerances
+        return self._objective.with_tolerances(rtol, atol).nll(model)
 
     def _residuals(self, model: dict[str, Any]) -> Array:
         return self._objective.residuals(model)
@@ -301,7 +308,8 @@ class PetabProblem:
         et al. 2017 at its published fit: a step of 1e-4 in log10 `rho_E` makes the
         solve fail), the gradient at the default tolerances can be 45 to 125 times
         off its converged value, and nothing in the value itself says so. Compiles
-        the tighter objective once per `factor` (seconds) and solves twice more.
+        one program of `nll` and its gradient, the tolerances among its inputs, at
+        the first call (seconds; any `factor` reuses it), and solves twice with it.
 
         **Arguments:**
 
@@ -320,15 +328,9 @@ class PetabProblem:
             raise ValueError(f"`factor` must be > 1 (how much tighter), got {factor}.")
         objective = self._objective
         objective.check_model(model)
-        tight = self._tighter.get(float(factor))
-        if tight is None:
-            other = objective.with_tolerances(
-                objective.rtol / factor, objective.atol / factor
-            )
-            tight = strongly_typed(jax.jit(jax.value_and_grad(other.nll)))
-            self._tighter[float(factor)] = tight
-        here = self._value_and_grad(model)
-        there = tight(model)
+        tolerances = np.array([objective.rtol, objective.atol])
+        here = self._value_and_grad_at(model, tolerances)
+        there = self._value_and_grad_at(model, tolerances / factor)
         ids = self.parameter_ids
         (v0, g0), (v1, g1) = (
             (float(v), np.asarray([float(g[k]) for k in ids])) for v, g in (here, there)

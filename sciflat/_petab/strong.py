@@ -8,15 +8,15 @@ import jax.numpy as jnp
 
 
 def strongly_typed(fn):
-    """`fn(model)`, each weakly typed value of `model` (a Python float,
+    """`fn(model, *args)`, each weakly typed value of `model` (a Python float,
     `jnp.asarray(0.7)`) first made a strongly typed array of the dtype the values
     compute in anyway (their `jnp.result_type`, as `_ext` takes it). `jax.jit` keys on
     weak types: `nll(problem.nominal)` and `nll({"k": jnp.asarray(-0.7), ...})` would
     compile twice (seconds each) for the same arithmetic."""
 
     @ft.wraps(fn)
-    def call(model):
-        return fn(_strong_values(model))
+    def call(model, *args):
+        return fn(_strong_values(model), *args)
 
     return call
 
