@@ -172,7 +172,7 @@ def _code(page: Path) -> list[str]:
 
 def _same_code_as() -> dict[Path, Path]:
     """Each page whose Python blocks are, block for block, an earlier page's
-    (docs/index.md repeats README.md's): that page's run is its run."""
+    (README.md repeats docs/index.md's): that page's run is its run."""
     first: dict[tuple[str, ...], Path] = {}
     same = {}
     for page in PAGES:
