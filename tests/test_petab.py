@@ -861,8 +861,10 @@ def test_laske_log_likelihood_is_amicis():
     )
 
 
-@pytest.mark.slow  # compiles two problems' nll and gradient (Tsit5): seconds
-def test_check_tolerances_says_when_the_gradient_is_not_converged(tmp_path, caplog):
+@pytest.mark.slow  # compiles two problems' nll and gradient: seconds
+def test_check_tolerances_says_when_the_gradient_is_not_converged(
+    tmp_path, small, caplog
+):
     # Loose tolerances: the check solves again 1e5 times tighter, where nll is the
     # closed form's, and says the gradient moved; at tight ones it says nothing.
     # The loose problem is solved by an explicit method (compiled in a fraction of
@@ -874,9 +876,9 @@ def test_check_tolerances_says_when_the_gradient_is_not_converged(tmp_path, capl
     assert out["sensitive"] and out["rtol"] == (1e-3, 1e-3 / 1e5)
     np.testing.assert_allclose(out["nll"][1], small_nll(), rtol=1e-7)
     assert out["grad_error"] > 1e-3 or out["nll_error"] > 1e-6
-    # Tight tolerances, by the same explicit method (cheaper to compile than the
-    # default implicit one).
-    tight = sciflat.petab_problem(path, rtol=1e-10, atol=1e-12, solver=diffrax.Tsit5())
+    # Tight tolerances, the default implicit solver (its root finder's tolerances
+    # traced too): one program for any factor.
+    tight = small  # rtol 1e-10, atol 1e-12
     import warnings
 
     with warnings.catch_warnings():
