@@ -715,18 +715,24 @@ LASKE_LLH = -315.90591059312095
 
 
 @pytest.mark.slow  # reads a model of 52 reactions and 29 rules with SymPy: seconds
-def test_rate_laws_are_the_symbolic_right_hand_side():
+@pytest.mark.parametrize("sparse", [False, True])
+def test_rate_laws_are_the_symbolic_right_hand_side(sparse):
     # The compiled right-hand side (stoichiometry times a vector of rates, the rates
     # computed a template at a time, the 29 assignment rules first) against SymPy's
-    # own evaluation of the substituted expressions, at random positive points.
+    # own evaluation of the substituted expressions, at random positive points; `N`
+    # applied as padded rows or as sums over its nonzeros (Laske's default: one
+    # species is in 22 of the 52 reactions).
     import sympy
 
     from sciflat._petab.formulas import RateLaws
     from sciflat._petab.sbml import read_sbml
 
     ode = read_sbml(str(LASKE.parent / "model_Laske_PLOSComputBiol2019.xml"))
-    rhs = RateLaws(sympy, ode)
+    rhs = RateLaws(sympy, ode, sparse=sparse)
     assert len(ode.rates) == 52 and len(rhs.rates.groups) < 10  # vectorised
+    assert rhs.sparse_rates is sparse and rhs.sparse_jacobian is sparse
+    auto = RateLaws(sympy, ode)
+    assert auto.sparse_rates and auto.sparse_jacobian
     sym = lambda k: sympy.Symbol(k, real=True)
     x, k = [sym(s) for s in ode.species], [sym(c) for c in ode.constants]
     scalar = sympy.lambdify([ode.time, x, k], list(ode.rhs), modules="numpy")
@@ -789,11 +795,14 @@ def test_other_tolerances_keep_the_root_finders_options(small):
 
 
 @pytest.mark.slow  # SymPy's derivative, and three Jacobians compiled: 2 s of CPU
-def test_the_right_hand_sides_jacobian_is_sympys_derivative(tmp_path):
+@pytest.mark.parametrize("sparse", [False, True])
+def test_the_right_hand_sides_jacobian_is_sympys_derivative(tmp_path, sparse):
     # The analytic Jacobian (each template's partial derivatives times one-hot
     # columns, an assignment rule on a state chained in, N applied, / compartment
     # sizes) against SymPy's derivative of the substituted right-hand side; the custom
-    # JVP against JAX's own derivative, in the state and in the constants.
+    # JVP against JAX's own derivative, in the state and in the constants. `N`
+    # applied both ways: padded rows, and sums over the nonzeros (the rule's chained
+    # partials summed by rows).
     import sympy
 
     from sciflat._petab.formulas import RateLaws
@@ -823,8 +832,9 @@ def test_the_right_hand_sides_jacobian_is_sympys_derivative(tmp_path):
         ),
     )
     ode = read_sbml(str(tmp_path / "model.xml"))
-    rhs = RateLaws(sympy, ode)
+    rhs = RateLaws(sympy, ode, sparse=sparse)
     assert rhs.analytic and len(rhs._on_x) == 1  # `act` depends on B
+    assert rhs.sparse_jacobian is sparse and rhs.sparse_rates is sparse
     sym = lambda k: sympy.Symbol(k, real=True)
     x, k = [sym(s) for s in ode.species], [sym(c) for c in ode.constants]
     jac = sympy.Matrix(ode.rhs).jacobian(x)
