@@ -194,8 +194,10 @@ def one_problem(
     seconds: float,
     amici_only: bool = False,
     grad_tol: tuple[float, float] | None = None,
+    values_only: bool = False,
 ) -> None:
-    """Everything for one problem, in this (fresh) process; results as `_emit` lines."""
+    """Everything for one problem, in this (fresh) process; results as `_emit` lines.
+    `values_only`: the llh and its time, no sensitivities on either side."""
     import logging
 
     import amici  # noqa: F401  (imported before any clock starts, as JAX is)
@@ -243,7 +245,7 @@ def one_problem(
     plain = _amici_solver(model, 1e-8, None, sensitivities=False)
     amici_call(plain)
     _emit(amici_load_s=time.perf_counter() - t)
-    tight = amici_call(_amici_solver(model, *_TIGHT, sensitivities=True))
+    tight = amici_call(_amici_solver(model, *_TIGHT, sensitivities=not values_only))
     ref_llh = float(tight["llh"])
     ref_grad = (
         None
@@ -251,7 +253,8 @@ def one_problem(
         else [-float(tight["sllh"][k]) for k in ids]  # of −llh
     )
     default_llh = float(amici_call(plain)["llh"])
-    sllh = amici_call(_amici_solver(model, 1e-8, None, sensitivities=True))["sllh"]
+    sens = _amici_solver(model, 1e-8, None, sensitivities=True)
+    sllh = None if values_only else amici_call(sens)["sllh"]
     _emit(
         amici_llh=ref_llh,
         amici_grad=ref_grad,
@@ -293,6 +296,13 @@ def one_problem(
     _emit(sciflat_read_s=read_s, sciflat_first_llh_s=first_llh_s)
     llh = -nll - float(problem.log_prior(problem.nominal))
     _emit(sciflat_llh=llh)
+    calls = {
+        "sciflat_llh": lambda: jax.block_until_ready(llh_fn(p)),
+        "amici_llh": lambda: amici_call(plain),
+    }
+    if values_only:
+        _time_calls(calls, repeats, seconds)
+        return
     t = time.perf_counter()
     grad = np.asarray(jax.block_until_ready(grad_fn(p)))
     _emit(sciflat_first_grad_s=time.perf_counter() - t)
@@ -300,16 +310,15 @@ def one_problem(
     by_id = re(jnp.asarray(grad + prior_grad))  # `p` is in the pytree's (sorted) order
     _emit(sciflat_grad=[float(by_id[k]) for k in ids])  # of the data's −log L
 
-    # Per call, interleaved: `repeats` rounds or `seconds`, at least 3 rounds.
-    sens = _amici_solver(model, 1e-8, None, sensitivities=True)
-    calls = {
-        "sciflat_llh": lambda: jax.block_until_ready(llh_fn(p)),
-        "sciflat_grad": lambda: jax.block_until_ready(grad_fn(p)),
-        "amici_llh": lambda: amici_call(plain),
-        "amici_grad": lambda: amici_call(sens),
-    }
+    calls["sciflat_grad"] = lambda: jax.block_until_ready(grad_fn(p))
+    calls["amici_grad"] = lambda: amici_call(sens)
+    _time_calls(calls, repeats, seconds)
+
+
+def _time_calls(calls: dict[str, Any], repeats: int, seconds: float) -> None:
+    """Per call, interleaved: `repeats` rounds or `seconds`, at least 3 rounds."""
     times: dict[str, list[float]] = {k: [] for k in calls}
-    cpp: dict[str, list[float]] = {"amici_llh": [], "amici_grad": []}
+    cpp: dict[str, list[float]] = {k: [] for k in calls if k.startswith("amici")}
     start = time.perf_counter()
     for r in range(repeats):
         for k, fn in calls.items():
@@ -478,6 +487,7 @@ def against_amici(args: argparse.Namespace) -> None:
                 "--seconds",
                 str(args.seconds),
                 *(["--amici-only"] if args.amici_only else []),
+                *(["--values-only"] if args.values_only else []),
                 *(["--grad-tol", *map(str, args.grad_tol)] if args.grad_tol else []),
             ],
             args.timeout,
@@ -559,6 +569,11 @@ if __name__ == "__main__":
         metavar=("RTOL", "ATOL"),
         help="sciflat's tolerances for the gradient (default: its defaults)",
     )
+    parser.add_argument(
+        "--values-only",
+        action="store_true",
+        help="the llh and its time only: no sensitivities (hundreds of parameters)",
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--build-one", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -572,6 +587,7 @@ if __name__ == "__main__":
             args.seconds,
             args.amici_only,
             None if args.grad_tol is None else tuple(args.grad_tol),
+            args.values_only,
         )
     elif args.from_json:
         _table(json.loads(pathlib.Path(args.from_json).read_text()), "", args.repeats)
