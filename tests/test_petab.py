@@ -715,12 +715,11 @@ LASKE_LLH = -315.90591059312095
 
 
 @pytest.mark.slow  # reads a model of 52 reactions and 29 rules with SymPy: seconds
-@pytest.mark.parametrize("sparse", [False, True])
-def test_rate_laws_are_the_symbolic_right_hand_side(sparse):
+def test_rate_laws_are_the_symbolic_right_hand_side():
     # The compiled right-hand side (stoichiometry times a vector of rates, the rates
     # computed a template at a time, the 29 assignment rules first) against SymPy's
     # own evaluation of the substituted expressions, at random positive points; `N`
-    # applied as padded rows or as sums over its nonzeros (Laske's default: one
+    # applied as padded rows and as sums over its nonzeros (Laske's default: one
     # species is in 22 of the 52 reactions).
     import sympy
 
@@ -728,30 +727,36 @@ def test_rate_laws_are_the_symbolic_right_hand_side(sparse):
     from sciflat._petab.sbml import read_sbml
 
     ode = read_sbml(str(LASKE.parent / "model_Laske_PLOSComputBiol2019.xml"))
-    rhs = RateLaws(sympy, ode, sparse=sparse)
-    assert len(ode.rates) == 52 and len(rhs.rates.groups) < 10  # vectorised
-    assert rhs.sparse_rates is sparse and rhs.sparse_jacobian is sparse
     auto = RateLaws(sympy, ode)
+    assert len(ode.rates) == 52 and len(auto.rates.groups) < 10  # vectorised
     assert auto.sparse_rates and auto.sparse_jacobian
+    padded = RateLaws(sympy, ode, sparse=False)
+    assert not (padded.sparse_rates or padded.sparse_jacobian)
     sym = lambda k: sympy.Symbol(k, real=True)
     x, k = [sym(s) for s in ode.species], [sym(c) for c in ode.constants]
     scalar = sympy.lambdify([ode.time, x, k], list(ode.rhs), modules="numpy")
+
     # Jitted: one program each (eagerly, each of their hundreds of operations is
     # compiled on its own).
-    evaluate, jacobian = jax.jit(rhs), jax.jit(rhs.jacobian)
-    jacfwd = jax.jit(jax.jacfwd(rhs.evaluate, argnums=1))
+    @jax.jit
+    def both(t, x, k):
+        jac = jax.jacfwd(auto.evaluate, argnums=1)(t, x, k)  # JAX's own
+        ways = [(rhs(t, x, k), rhs.jacobian(t, x, k)) for rhs in (auto, padded)]
+        return ways, jac
+
     rng = np.random.default_rng(0)
     for _ in range(3):
         t, xv, kv = 1.5, rng.uniform(0.1, 1e3, len(x)), rng.uniform(0.1, 10, len(k))
         want = np.asarray(scalar(t, xv, kv), np.float64)
-        args = (jnp.asarray(t), jnp.asarray(xv), jnp.asarray(kv))
-        got = np.asarray(evaluate(*args))
-        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12 * abs(want).max())
-        # The analytic Jacobian against JAX's own derivative.
-        want_j = jacfwd(*args)
-        np.testing.assert_allclose(
-            jacobian(*args), want_j, rtol=1e-12, atol=1e-12 * abs(want_j).max()
-        )
+        ways, want_j = both(jnp.asarray(t), jnp.asarray(xv), jnp.asarray(kv))
+        for got, got_j in ways:
+            np.testing.assert_allclose(
+                got, want, rtol=1e-12, atol=1e-12 * abs(want).max()
+            )
+            # The analytic Jacobian against JAX's own derivative.
+            np.testing.assert_allclose(
+                got_j, want_j, rtol=1e-12, atol=1e-12 * abs(want_j).max()
+            )
 
 
 def test_the_stage_root_finders_linear_solves_are_numpys():
@@ -795,8 +800,7 @@ def test_other_tolerances_keep_the_root_finders_options(small):
 
 
 @pytest.mark.slow  # SymPy's derivative, and three Jacobians compiled: 2 s of CPU
-@pytest.mark.parametrize("sparse", [False, True])
-def test_the_right_hand_sides_jacobian_is_sympys_derivative(tmp_path, sparse):
+def test_the_right_hand_sides_jacobian_is_sympys_derivative(tmp_path):
     # The analytic Jacobian (each template's partial derivatives times one-hot
     # columns, an assignment rule on a state chained in, N applied, / compartment
     # sizes) against SymPy's derivative of the substituted right-hand side; the custom
@@ -832,9 +836,10 @@ def test_the_right_hand_sides_jacobian_is_sympys_derivative(tmp_path, sparse):
         ),
     )
     ode = read_sbml(str(tmp_path / "model.xml"))
-    rhs = RateLaws(sympy, ode, sparse=sparse)
-    assert rhs.analytic and len(rhs._on_x) == 1  # `act` depends on B
-    assert rhs.sparse_jacobian is sparse and rhs.sparse_rates is sparse
+    ways = [RateLaws(sympy, ode, sparse=sparse) for sparse in (False, True)]
+    for rhs, sparse in zip(ways, (False, True), strict=True):
+        assert rhs.analytic and len(rhs._on_x) == 1  # `act` depends on B
+        assert rhs.sparse_jacobian is sparse and rhs.sparse_rates is sparse
     sym = lambda k: sympy.Symbol(k, real=True)
     x, k = [sym(s) for s in ode.species], [sym(c) for c in ode.constants]
     jac = sympy.Matrix(ode.rhs).jacobian(x)
@@ -842,7 +847,7 @@ def test_the_right_hand_sides_jacobian_is_sympys_derivative(tmp_path, sparse):
     kv = jnp.asarray([{"c1": 2.0, "c2": 0.5}.get(str(c), 1.1) for c in k])
     t, xs = jnp.asarray(0.5), jnp.asarray([[0.3, 1.7, 2.2], [0.0, 0.4, 1e-3]])
 
-    @jax.jit  # one compilation for all three, at both points
+    @jax.jit  # one compilation for all, at both points
     @jax.vmap
     def jacobians(xv):
         def both(f):  # d/dx and d/dk, and d/d(x, k) of J(x, k) v (second order)
@@ -851,14 +856,17 @@ def test_the_right_hand_sides_jacobian_is_sympys_derivative(tmp_path, sparse):
                 xv, kv
             )
 
-        return rhs.jacobian(t, xv, kv), both(rhs), both(rhs.evaluate)
+        plain = both(ways[0].evaluate)
+        return [(rhs.jacobian(t, xv, kv), both(rhs)) for rhs in ways], plain
 
-    analytic, custom, plain = jacobians(xs)
-    for i, xv in enumerate(np.asarray(xs)):
-        want = np.asarray(want_fn(0.5, xv, np.asarray(kv)), np.float64)
-        np.testing.assert_allclose(analytic[i], want, rtol=1e-12, atol=1e-14)
-    for got, ref in zip(jax.tree.leaves(custom), jax.tree.leaves(plain), strict=True):
-        np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-14)
+    out, plain = jacobians(xs)
+    for analytic, custom in out:
+        for i, xv in enumerate(np.asarray(xs)):
+            want = np.asarray(want_fn(0.5, xv, np.asarray(kv)), np.float64)
+            np.testing.assert_allclose(analytic[i], want, rtol=1e-12, atol=1e-14)
+        leaves = zip(jax.tree.leaves(custom), jax.tree.leaves(plain), strict=True)
+        for got, ref in leaves:
+            np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-14)
 
 
 @pytest.mark.slow  # 34 species, 3 conditions, 600 steps each: tens of seconds
