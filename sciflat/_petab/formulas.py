@@ -183,11 +183,11 @@ class _Derivative:
             for i, onehot, rows in group:
                 partial = _partial(fn, args, i)
                 partial = jnp.broadcast_to(jnp.asarray(partial, dtype), (idx.shape[0],))
+                rows_jac = None
                 if rows is not None:
                     assert chained_jac is not None  # `chained` named its rows
-                pieces.append(
-                    (partial, onehot, None if rows is None else chained_jac[rows])
-                )
+                    rows_jac = chained_jac[rows]
+                pieces.append((partial, onehot, rows_jac))
             out.append(pieces)
         return out
 
