@@ -103,7 +103,7 @@ class Vectorised:
             key = sympy.srepr(template)
             if key not in groups:
                 names = [sympy.Symbol(f"_a{i}", real=True) for i in range(len(args))]
-                fn = sympy.lambdify(names, template, modules="jax")
+                fn = sympy.lambdify(names, template, modules="jax", cse=True)
                 groups[key] = (fn, [], [])
             groups[key][1].append(j)
             groups[key][2].append(args)
@@ -218,21 +218,31 @@ def _partial(fn: Any, args: list, i: int) -> Any:
 
 def _template(sympy: Any, e: Any, where: dict, numbers: list, args: list) -> Any:
     """`e` with each symbol and each number (other than an integer exponent, -1 or
-    1) a placeholder `_a{n}`, in order of appearance; `args` gets their indices into
-    `[z, numbers]`."""
+    1) a placeholder `_a{n}`, numbered in order of first appearance: a symbol or
+    number that appears again is the same placeholder, so that SymPy's common
+    subexpressions are still common (Fiedler et al. 2016's initial states repeat one
+    square root of a polynomial in the parameters in each of six formulas). `args`
+    gets their indices into `[z, numbers]`."""
+    seen: dict[Any, Any] = {}
 
-    def arg(index: int) -> Any:
-        args.append(index)
-        return sympy.Symbol(f"_a{len(args) - 1}", real=True)
+    def arg(key: Any, index: Any) -> Any:
+        if key not in seen:
+            args.append(index() if callable(index) else index)
+            seen[key] = sympy.Symbol(f"_a{len(args) - 1}", real=True)
+        return seen[key]
+
+    def number(value: float) -> int:
+        numbers.append(value)
+        return len(where) + len(numbers) - 1
 
     def walk(e: Any) -> Any:
         if isinstance(e, sympy.Symbol):
-            return arg(where[e])
+            return arg(("symbol", e), where[e])
         if isinstance(e, sympy.Number):
             if e in (sympy.Integer(1), sympy.Integer(-1)) or not e.is_finite:
                 return e
-            numbers.append(float(e))
-            return arg(len(where) + len(numbers) - 1)
+            value = float(e)
+            return arg(("number", value), lambda: number(value))
         if isinstance(e, sympy.Pow) and isinstance(e.exp, sympy.Integer):
             return sympy.Pow(walk(e.base), e.exp, evaluate=False)
         if not e.args:
