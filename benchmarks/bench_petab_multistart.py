@@ -124,14 +124,20 @@ def _sciflat(variant: str, limit: float, name: str):
 def _pypesto(variant: str, limit: float, out: str, name: str):
     import amici  # noqa: F401
     import petab.v1 as petab
+    import petab.v1.lint
     import pypesto
     import pypesto.optimize
     import pypesto.petab
 
     yaml = _yaml(name)
     stem = os.path.splitext(os.path.basename(yaml))[0]
+    petab_problem = petab.Problem.from_yaml(yaml)
+    if petab.lint.measurement_table_has_timepoint_specific_mappings(
+        petab_problem.measurement_df
+    ):  # AMICI's import needs one observable per placeholder value (Fiedler's)
+        petab.flatten_timepoint_specific_output_overrides(petab_problem)
     importer = pypesto.petab.PetabImporter(
-        petab.Problem.from_yaml(yaml),
+        petab_problem,
         output_folder=os.path.join(
             os.path.dirname(os.path.abspath(out)), f"amici_{stem}"
         ),
