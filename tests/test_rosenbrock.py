@@ -8,45 +8,11 @@ import numpy as np
 import pytest
 
 import sciflat
+from helpers import forced_van_der_pol, robertson, tight
 
 
 diffrax = pytest.importorskip("diffrax")
 optx = pytest.importorskip("optimistix")
-
-
-def forced_van_der_pol(t, y, args):
-    # Non-autonomous, so the ∂f/∂t terms of the method are exercised too.
-    return jnp.stack([y[1], 5.0 * (1 - y[0] ** 2) * y[1] - y[0] + jnp.sin(t)])
-
-
-def robertson(t, y, args):
-    a, b, c = y[0], y[1], y[2]
-    return jnp.stack(
-        [
-            -0.04 * a + 1e4 * b * c,
-            0.04 * a - 1e4 * b * c - 3e7 * b**2,
-            3e7 * b**2,
-        ]
-    )
-
-
-def tight(f, y0, ts):
-    """Kvaerno5 with Newton's method at 1e-13, at the times `ts`: the reference."""
-    ts = jnp.asarray(ts, y0.dtype)
-    solver = diffrax.Kvaerno5(root_finder=optx.Newton(rtol=1e-13, atol=1e-13))
-    sol = diffrax.diffeqsolve(
-        diffrax.ODETerm(f),
-        solver,
-        0.0,
-        ts[-1],
-        None,
-        y0,
-        saveat=diffrax.SaveAt(ts=ts),
-        stepsize_controller=diffrax.PIDController(rtol=1e-13, atol=1e-13),
-        max_steps=100_000,
-    )
-    assert sol.ys is not None
-    return sol.ys
 
 
 @pytest.fixture(scope="module")
