@@ -16,6 +16,9 @@ converged value to 1e-11 on these problems). Variants:
   tested against `atol`), the default before;
 - `Rodas5P`: `sciflat.Rodas5P`, a Rosenbrock method (one Jacobian and one LU per
   step, no iteration);
+- `BDF`: `sciflat.BDF`, variable order 1 to 5 (a Jacobian and a Newton matrix kept
+  over many steps, two or three evaluations of the vector field a step; the steps
+  column gives its accepted + rejected steps, then its Newton matrices);
 - `Kvaerno3` / `Kvaerno4`, Newton: lower orders, cheaper steps, more of them;
 - `Kvaerno5, chord`: Diffrax's default root finder (`VeryChord`: the Jacobian kept
   over the iterations of a stage, converged in the vector field's scale);
@@ -43,6 +46,7 @@ import numpy as np
 import optimistix
 
 import sciflat
+from sciflat._petab.bdf import bdf_solve
 from sciflat._petab.objective import StageChord, forward_sensitivities
 
 
@@ -68,6 +72,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     },
     "Kvaerno5, Newton": {"solver": _newton(diffrax.Kvaerno5, 1e-8, 1e-10)},
     "Rodas5P": {"solver": sciflat.Rodas5P()},
+    "BDF": {"solver": sciflat.BDF()},
     "Kvaerno4, Newton": {"solver": _newton(diffrax.Kvaerno4, 1e-8, 1e-10)},
     "Kvaerno3, Newton": {"solver": _newton(diffrax.Kvaerno3, 1e-8, 1e-10)},
     "Kvaerno5, chord": {"solver": diffrax.Kvaerno5()},
@@ -106,6 +111,26 @@ def _steps(problem: Any, model: dict[str, Any]) -> str:
     ext = objective.ext(model)
     ts = objective.tables.union_times
     out = []
+    if isinstance(objective._solver, sciflat.BDF):
+        rhs = objective.formulas.rhs
+        for c in range(len(objective.tables.conditions)):
+            constants, x0 = objective.initial(ext, c)
+            _, _, stats = bdf_solve(
+                rhs,
+                rhs.jacobian if rhs.analytic else jax.jacfwd(rhs, argnums=1),
+                constants[None],
+                x0[None],
+                ts,
+                objective.rtol,
+                objective.atol,
+                objective._max_steps,
+                with_stats=True,
+            )
+            a, r, _, lu, _ = (int(v) for v in stats[0])
+            out.append(f"{a}+{r} ({lu} LU)")
+        return (
+            ", ".join(out) if len(out) < 4 else f"{out[0]}, ... ({len(out)} conditions)"
+        )
     for c in range(len(objective.tables.conditions)):
         constants, x0 = objective.initial(ext, c)
         sol = diffrax.diffeqsolve(

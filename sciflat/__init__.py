@@ -37,6 +37,7 @@ if typing.TYPE_CHECKING:
         multistart as multistart,
     )
     from ._optax.fit import fit as fit
+    from ._petab.bdf import BDF as BDF
     from ._petab.hierarchical import HierarchicalProblem as HierarchicalProblem
     from ._petab.problem import (
         PetabProblem as PetabProblem,
@@ -73,6 +74,7 @@ _LAZY = {
     "HierarchicalProblem": "._petab.hierarchical",
     "ReactionODE": "._petab.problem",
     "Rodas5P": "._petab.rosenbrock",
+    "BDF": "._petab.bdf",
     "profile": "._profile",
     "Profile": "._profile",
     "ProfileInterval": "._profile",

@@ -34,6 +34,7 @@ except ImportError:  # pragma: no cover (the `petab` extra installs them)
         'sciflat\'s PEtab reader needs diffrax: pip install "sciflat[petab]".'
     ) from None
 
+from .bdf import BDF, bdf_solve
 from .controller import RejectionLimit
 
 
@@ -349,6 +350,12 @@ class Objective:
     def solve_all(self, ext: Array) -> tuple[Array, Array]:
         """Every condition at the union of the measurement times: `(C, T, n)`."""
         ts = self.tables.union_times
+        if isinstance(self._solver, BDF):
+            pairs = [self.initial(ext, c) for c in range(len(self.tables.conditions))]
+            constants = jnp.stack([k for k, _ in pairs])
+            x0 = jnp.stack([x for _, x in pairs])
+            ys, ok = self._bdf(constants, x0, ts)
+            return ys, jnp.all(ok)
         if len(self.tables.conditions) == 1:
             ys, ok = self.solve(ext, 0, ts)
             return ys[None], ok
@@ -365,6 +372,9 @@ class Objective:
         ts_j = jnp.asarray(ts, x0.dtype)
         if float(ts[-1]) == 0.0:
             return jnp.broadcast_to(x0, (len(ts), len(x0))), jnp.asarray(True)
+        if isinstance(self._solver, BDF):
+            ys, ok = self._bdf(constants[None], x0[None], ts)
+            return ys[0], ok[0]
         sol = diffrax.diffeqsolve(
             diffrax.ODETerm(ReactionODE(constants, self.formulas.rhs)),
             self._solver,
@@ -391,6 +401,44 @@ class Objective:
         ys = sol.ys
         assert ys is not None
         return ys, sol.result == diffrax.RESULTS.successful
+
+    def _bdf(
+        self, constants: Array, x0: Array, ts: npt.NDArray[np.float64]
+    ) -> tuple[Array, Array]:
+        if float(ts[-1]) == 0.0:
+            n_t = len(ts)
+            return jnp.broadcast_to(x0[:, None], (x0.shape[0], n_t, x0.shape[1])), (
+                jnp.ones(x0.shape[0], bool)
+            )
+        rhs = self.formulas.rhs
+        if getattr(rhs, "analytic", False):
+            jacobian = rhs.jacobian
+        else:
+            jacobian = jax.jacfwd(rhs, argnums=1)
+
+        def solve(constants: Array, x0: Array) -> tuple[Array, Array]:
+            return bdf_solve(
+                rhs,
+                jacobian,
+                constants,
+                x0,
+                ts,
+                self.rtol,
+                self.atol,
+                self._max_steps,
+                self._solver.max_order,
+            )
+
+        if x0.shape[0] == 1:
+            return solve(constants, x0)
+        # The conditions one after the other: each BDF solve builds its Jacobian
+        # and Newton matrix when it needs them, which a batch of solves (one loop,
+        # `vmap`) would do for all of them whenever one needs them (Bachmann's 36
+        # conditions: 247 ms in turn, 399 ms as one batch).
+        ys, ok = jax.lax.map(
+            lambda a: [v[0] for v in solve(a[0][None], a[1][None])], (constants, x0)
+        )
+        return ys, ok
 
     # -- the noise model ----------------------------------------------------------
 

@@ -1,0 +1,462 @@
+"""A variable-order BDF method (orders 1 to 5, the numerical differentiation
+formulas of Shampine and Reichelt's `ode15s`, as SciPy's `BDF`) for the stiff ODEs
+of PEtab problems, with its Jacobian and its Newton matrix kept over many steps.
+
+An implicit Runge–Kutta step (`diffrax.Kvaerno5`) builds a Jacobian and a
+factorisation every step and evaluates the vector field some twenty times; a BDF step
+evaluates it two or three times (Newton's iterations with the matrix of earlier
+steps), builds the Newton matrix again only when the step size or the order changes,
+and the Jacobian only when Newton's iteration fails to converge with the old one.
+That is what CVODES (AMICI's solver) does, and for models of dozens to hundreds of
+species it is most of the difference in cost per step.
+
+The conditions of a problem are one batch: each has its own time, step size, order
+and matrices; a Jacobian or a Newton matrix is computed (for the whole batch) only
+in the attempts where some condition needs one. The solution at the measurement
+times is the BDF's own interpolating polynomial (as CVODES's `CVodeGetDky`), so the
+steps need not end on them.
+
+Differentiation is JAX's forward mode through the loop: the sensitivities follow
+the state through the same Newton iterations (CVODES's "simultaneous corrector"),
+the step sizes, orders and matrices taken as constants. The algorithm follows SciPy's
+`scipy.integrate.BDF` (Shampine & Reichelt 1997, "The MATLAB ODE Suite"; Byrne and
+Hindmarsh's quasi-constant step size implementation), written over a batch.
+"""
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpy.typing as npt
+
+
+_NEWTON_MAXITER = 4
+_MIN_FACTOR = 0.2
+_MAX_FACTOR = 10.0
+_MAX_REJECTED = 30
+
+
+@dataclasses.dataclass(frozen=True)
+class BDF:
+    """The variable-order BDF method (orders 1 to `max_order`) for
+    [`sciflat.petab_problem`][]'s simulations: `petab_problem(path, solver=BDF())`.
+
+    Its Jacobian and Newton matrix are kept over many steps (rebuilt when the step
+    size or order changes, or Newton's iteration stalls), so a step costs two or three
+    evaluations of the vector field: the method of CVODES (AMICI) and PEtab.jl's
+    `QNDF` for models of dozens of species and more. The solution at the
+    measurement times is its interpolating polynomial, and the gradient is forward
+    mode through its iterations.
+
+    **Fields:**
+
+    - `max_order`: the highest order used, 1 to 5 (5: SciPy's and CVODES's).
+    """
+
+    max_order: int = 5
+
+    def __post_init__(self):
+        if not isinstance(self.max_order, int) or not 1 <= self.max_order <= 5:
+            raise ValueError(f"`max_order` must be 1 to 5, got {self.max_order!r}.")
+
+
+def _coefficients(dtype: Any) -> tuple[Any, Any, Any]:
+    kappa = np.array([0, -0.1850, -1 / 9, -0.0823, -0.0415, 0])
+    gamma = np.hstack((0, np.cumsum(1 / np.arange(1, 6))))
+    alpha = (1 - kappa) * gamma
+    error_const = kappa * gamma + 1 / np.arange(1, 7)
+    return (
+        jnp.asarray(gamma, dtype),
+        jnp.asarray(alpha, dtype),
+        jnp.asarray(error_const, dtype),
+    )
+
+
+def _rescale(order: jax.Array, factor: jax.Array, k: int) -> jax.Array:
+    """The `(k, k)` matrix that takes the backward differences `D[:order + 1]` of a
+    step `h` to those of the step `factor * h` (`D_new = RU.T @ D`), the identity
+    beyond `order`."""
+    i = jnp.arange(1, k, dtype=factor.dtype)[:, None]
+    j = jnp.arange(1, k, dtype=factor.dtype)[None, :]
+
+    def r(f):
+        m = jnp.ones((k, k - 1), factor.dtype)
+        m = m.at[1:].set((i - 1 - f * j) / i)
+        return jnp.concatenate(
+            [jnp.zeros((k, 1), factor.dtype).at[0, 0].set(1), jnp.cumprod(m, axis=0)],
+            axis=1,
+        )
+
+    idx = jnp.arange(k)
+    inside = idx <= order
+    rm = jnp.where(inside[None, :], r(factor), 0)
+    um = jnp.where(inside[:, None], r(jnp.ones_like(factor)), 0)
+    ru = rm @ um
+    both = inside[:, None] & inside[None, :]
+    return jnp.where(both, ru, jnp.eye(k, dtype=factor.dtype))
+
+
+def _change(d: jax.Array, order: jax.Array, factor: jax.Array) -> jax.Array:
+    """`d` (`(K, n)` backward differences) for a step `factor` times the last."""
+    k = 6
+    ru = _rescale(order, factor, k)
+    return d.at[:k].set(ru.T @ d[:k])
+
+
+def bdf_solve(
+    rhs: Callable[[Any, Any, Any], Any],
+    jacobian: Callable[[Any, Any, Any], Any],
+    constants: jax.Array,
+    y0: jax.Array,
+    ts: npt.NDArray[np.float64],
+    rtol: float,
+    atol: float,
+    max_steps: int,
+    max_order: int = 5,
+    with_stats: bool = False,
+) -> Any:
+    """Solves `dy/dt = rhs(t, y, k)` from `t = 0` for a batch of conditions
+    (`constants`: `(C, k)`, `y0`: `(C, n)`) and returns the solution at `ts`
+    (sorted, `>= 0`) as `(C, T, n)`, with whether each solve succeeded `(C,)`;
+    `with_stats`: and per condition, the steps accepted and rejected, Jacobians,
+    Newton matrices and Newton iterations (evaluations of `rhs`), `(C, 5)`."""
+    dtype = y0.dtype
+    n_cond, n = y0.shape
+    eps = float(jnp.finfo(dtype).eps)
+    gamma, alpha, error_const = _coefficients(dtype)
+    newton_tol = max(10 * eps / rtol, min(0.03, rtol**0.5))
+    t_end = jnp.asarray(ts[-1], dtype)
+    ts_j = jnp.asarray(ts, dtype)
+    n_out = len(ts)
+    rows = jnp.arange(8)
+    sg = jax.lax.stop_gradient
+
+    f_b = jax.vmap(rhs)
+
+    def jac_b(t, y, k):
+        return jax.vmap(jacobian)(sg(t), sg(y), sg(k))
+
+    def norm(x):  # root mean square over the state, per condition
+        return jnp.sqrt(jnp.mean(x**2, axis=-1))
+
+    def take(a, i):  # a: (C, K), i: (C,) -> (C,)
+        return jnp.take_along_axis(a, i[:, None], axis=1)[:, 0]
+
+    def rows_at(d, i):  # d: (C, 8, n), i: (C,) -> (C, n)
+        return jnp.take_along_axis(d, i[:, None, None], axis=1)[:, 0]
+
+    change = jax.vmap(_change)
+
+    # -- the first step: SciPy's `select_initial_step` for order 1 --
+    t0 = jnp.zeros((n_cond,), dtype)
+    f0 = f_b(t0, y0, constants)
+    scale = atol + rtol * jnp.abs(y0)
+    d0, d1 = sg(norm(y0 / scale)), sg(norm(f0 / scale))
+    h0 = jnp.where((d0 < 1e-5) | (d1 < 1e-5), 1e-6, 0.01 * d0 / d1)
+    h0 = jnp.minimum(h0, t_end)
+    f1 = f_b(t0 + h0, y0 + h0[:, None] * f0, constants)
+    d2 = sg(norm((f1 - f0) / scale)) / h0
+    big = jnp.maximum(d1, d2)
+    h1 = jnp.where(
+        big <= 1e-15,
+        jnp.maximum(1e-6, h0 * 1e-3),
+        (0.01 / jnp.where(big <= 1e-15, 1.0, big)) ** 0.5,
+    )
+    h = sg(jnp.minimum(jnp.minimum(100 * h0, h1), t_end))
+    h = jnp.where(jnp.isfinite(h) & (h > 0), h, 1e-6 * t_end)
+
+    d = jnp.zeros((n_cond, 8, n), dtype)
+    d = d.at[:, 0].set(y0).at[:, 1].set(f0 * h[:, None])
+    ys = jnp.full((n_cond, n_out, n), jnp.inf, dtype)
+    at_zero = ts_j <= 0
+    ys = jnp.where(at_zero[None, :, None], y0[:, None, :], ys)
+    k_out = jnp.full((n_cond,), int(np.sum(ts <= 0)), jnp.int32)
+
+    state = dict(
+        t=t0,
+        h=h,
+        order=jnp.ones((n_cond,), jnp.int32),
+        d=d,
+        n_equal=jnp.zeros((n_cond,), jnp.int32),
+        jac=jac_b(t0, y0, constants),
+        jac_current=jnp.zeros((n_cond,), bool),
+        need_jac=jnp.zeros((n_cond,), bool),
+        inverse=jnp.zeros((n_cond, n, n), dtype),
+        lu_ok=jnp.zeros((n_cond,), bool),
+        ys=ys,
+        k_out=k_out,
+        done=k_out >= n_out,
+        failed=jnp.zeros((n_cond,), bool),
+        rejected=jnp.zeros((n_cond,), jnp.int32),
+        attempts=jnp.zeros((), jnp.int32),
+        stats=jnp.zeros((n_cond, 5), jnp.int32),
+    )
+
+    def attempt(s):
+        live = ~s["done"]
+        order, hh, t, dd = s["order"], s["h"], s["t"], s["d"]
+        # The step was shortened to end at `t_end` (below): it ends there exactly.
+        t_new = jnp.where(t + hh >= t_end, t_end, t + hh)
+        lu_ok = s["lu_ok"]
+
+        below = rows[None, :] <= order[:, None]  # (C, 8)
+        y_pred = jnp.sum(jnp.where(below[:, :, None], dd, 0), axis=1)
+        g = jnp.where(below[:, 1:6] & (rows[None, 1:6] >= 1), gamma[None, 1:6], 0)
+        a_o = alpha[order]
+        psi = jnp.einsum("ck,ckn->cn", g, dd[:, 1:6]) / a_o[:, None]
+        c = hh / a_o
+        scale = atol + rtol * jnp.abs(y_pred)
+
+        # The Jacobian where Newton's iteration failed with an old one.
+        need_jac = live & s["need_jac"]
+        jac = jax.lax.cond(
+            jnp.any(need_jac),
+            lambda: jnp.where(
+                need_jac[:, None, None], jac_b(t_new, y_pred, constants), s["jac"]
+            ),
+            lambda: s["jac"],
+        )
+        jac_current = s["jac_current"] | need_jac
+        lu_ok = lu_ok & ~need_jac
+        # The Newton matrix `I - c J`, inverted, where the step or order changed.
+        need_lu = live & ~lu_ok
+        eye = jnp.eye(n, dtype=dtype)
+        inverse = jax.lax.cond(
+            jnp.any(need_lu),
+            lambda: jnp.where(
+                need_lu[:, None, None],
+                jnp.linalg.inv(sg(eye - c[:, None, None] * jac)),
+                s["inverse"],
+            ),
+            lambda: s["inverse"],
+        )
+
+        # Newton's iteration (SciPy's `solve_bdf_system`), the batch together.
+        def newton_cond(ns):
+            return jnp.any(ns["active"])
+
+        def newton_body(ns):
+            active, y, corr = ns["active"], ns["y"], ns["corr"]
+            fv = f_b(t_new, y, constants)
+            finite = jnp.all(jnp.isfinite(fv), axis=-1)
+            dy = jnp.einsum("cij,cj->ci", inverse, c[:, None] * fv - psi - corr)
+            dy_norm = sg(norm(dy / scale))
+            first = ns["k"] == 0
+            old = jnp.where(first, 1.0, ns["old"])
+            rate = jnp.where(first, 0.0, dy_norm / old)
+            left = (_NEWTON_MAXITER - ns["k"]).astype(dtype)
+            diverge = ~first & (
+                (rate >= 1)
+                | (
+                    rate**left / jnp.where(rate < 1, 1 - rate, 1.0) * dy_norm
+                    > newton_tol
+                )
+            )
+            stop = active & (~finite | diverge | ~jnp.isfinite(dy_norm))
+            move = active & ~stop
+            y = jnp.where(move[:, None], y + dy, y)
+            corr = jnp.where(move[:, None], corr + dy, corr)
+            conv = move & (
+                (dy_norm == 0)
+                | (
+                    ~first
+                    & (rate / jnp.where(rate < 1, 1 - rate, 1.0) * dy_norm < newton_tol)
+                )
+            )
+            k = ns["k"] + 1
+            active = move & ~conv & (k < _NEWTON_MAXITER)
+            return dict(
+                active=active,
+                y=y,
+                corr=corr,
+                old=jnp.where(move, dy_norm, ns["old"]),
+                converged=ns["converged"] | conv,
+                iterations=jnp.where(move | stop, k, ns["iterations"]),
+                k=k,
+            )
+
+        ns = jax.lax.while_loop(
+            newton_cond,
+            newton_body,
+            dict(
+                active=live,
+                y=y_pred,
+                corr=jnp.zeros_like(y_pred),
+                old=jnp.ones((n_cond,), dtype),
+                converged=jnp.zeros((n_cond,), bool),
+                iterations=jnp.zeros((n_cond,), jnp.int32),
+                k=jnp.zeros((), jnp.int32),
+            ),
+        )
+        y_new, corr, converged = ns["y"], ns["corr"], ns["converged"]
+        n_iter = jnp.maximum(ns["iterations"], 1).astype(dtype)
+
+        # Not converged: a fresh Jacobian first, then half the step.
+        newton_failed = live & ~converged
+        retry_jac = newton_failed & ~jac_current
+        halve = newton_failed & jac_current
+        safety = 0.9 * (2 * _NEWTON_MAXITER + 1) / (2 * _NEWTON_MAXITER + n_iter)
+        scale_new = atol + rtol * jnp.abs(y_new)
+        error_norm = sg(norm(error_const[order][:, None] * corr / scale_new))
+        error_norm = jnp.where(jnp.isfinite(error_norm), error_norm, jnp.inf)
+        error_failed = live & converged & (error_norm > 1)
+        accepted = live & converged & (error_norm <= 1)
+
+        # Rejected: a smaller step (the differences rescaled to it, below).
+        shrink = jnp.where(
+            halve,
+            0.5,
+            jnp.maximum(
+                _MIN_FACTOR,
+                safety
+                * jnp.where(error_norm > 0, error_norm, 1.0)
+                ** (-1 / (order + 1).astype(dtype)),
+            ),
+        )
+        rejected_now = halve | error_failed
+
+        # Accepted: the differences updated (SciPy's, with `order` per condition).
+        upto = rows[None, :, None] <= order[:, None, None]
+        masked = jnp.where(upto, dd, 0)
+        tail = jnp.flip(jnp.cumsum(jnp.flip(masked, 1), axis=1), 1)
+        d_top = rows_at(dd, order + 1)
+        new = jnp.where(upto, tail + corr[:, None, :], dd)
+        new = jnp.where(
+            rows[None, :, None] == (order + 1)[:, None, None], corr[:, None, :], new
+        )
+        new = jnp.where(
+            rows[None, :, None] == (order + 2)[:, None, None],
+            (corr - d_top)[:, None, :],
+            new,
+        )
+        dd = jnp.where(accepted[:, None, None], new, dd)
+
+        # The measurement times this step passed, from its polynomial.
+        def out_cond(os):
+            return jnp.any(os["want"])
+
+        def out_body(os):
+            k_out, ys_ = os["k_out"], os["ys"]
+            tk = ts_j[jnp.minimum(k_out, n_out - 1)]
+            j = jnp.arange(1, 6, dtype=dtype)
+            shift = t_new[:, None] - hh[:, None] * (j - 1)
+            x = (tk[:, None] - shift) / (hh[:, None] * j)
+            p = jnp.cumprod(x, axis=1)
+            p = jnp.where(j[None, :] <= order[:, None].astype(dtype), p, 0)
+            y_at = dd[:, 0] + jnp.einsum("ck,ckn->cn", p, dd[:, 1:6])
+            y_at = jnp.where((tk >= t_new)[:, None], dd[:, 0], y_at)
+            want = os["want"]
+            onehot = (jnp.arange(n_out)[None, :] == k_out[:, None]) & want[:, None]
+            ys_ = jnp.where(onehot[:, :, None], y_at[:, None, :], ys_)
+            k_out = k_out + want.astype(jnp.int32)
+            next_want = (
+                want & (k_out < n_out) & (ts_j[jnp.minimum(k_out, n_out - 1)] <= t_new)
+            )
+            return dict(k_out=k_out, ys=ys_, want=next_want)
+
+        first_want = (
+            accepted
+            & (s["k_out"] < n_out)
+            & (ts_j[jnp.minimum(s["k_out"], n_out - 1)] <= t_new)
+        )
+        os = jax.lax.while_loop(
+            out_cond, out_body, dict(k_out=s["k_out"], ys=s["ys"], want=first_want)
+        )
+
+        # Accepted: after `order + 1` steps of one size, a new order and step size
+        # (SciPy's choice, from the error estimates of the orders around).
+        n_equal = jnp.where(accepted, s["n_equal"] + 1, s["n_equal"])
+        choose = accepted & (n_equal >= order + 1)
+
+        def new_order():
+            scale_acc = atol + rtol * jnp.abs(dd[:, 0])
+
+            def estimate(o, row):
+                e = error_const[jnp.clip(o, 0, 5)][:, None] * rows_at(dd, row)
+                return norm(e / scale_acc)
+
+            err_m = jnp.where(order > 1, estimate(order - 1, order), jnp.inf)
+            err_p = jnp.where(
+                order < max_order,
+                estimate(order + 1, jnp.minimum(order + 2, 7)),
+                jnp.inf,
+            )
+            errs = sg(jnp.stack([err_m, error_norm, err_p], axis=1))
+            powers = -1 / (order[:, None] + jnp.arange(3)[None, :]).astype(dtype)
+            factors = jnp.where(
+                errs > 0, jnp.where(errs > 0, errs, 1.0) ** powers, jnp.inf
+            )
+            factors = jnp.where(jnp.isfinite(errs), factors, 0.0)
+            delta = jnp.argmax(factors, axis=1).astype(jnp.int32) - 1
+            grow = jnp.minimum(_MAX_FACTOR, safety * jnp.max(factors, axis=1))
+            return order + delta, grow
+
+        order_next, grow = jax.lax.cond(
+            jnp.any(choose), new_order, lambda: (order, jnp.ones_like(hh))
+        )
+        order_next = jnp.where(choose, order_next, order)
+
+        # One rescaling of the differences: to the smaller step of a rejection or
+        # the new step (and order) chosen, and then to end at `t_end` at most.
+        t_next = jnp.where(accepted, t_new, t)
+        factor = jnp.where(rejected_now, shrink, jnp.where(choose, grow, 1.0))
+        h_next = hh * factor
+        clip = live & (t_next + h_next > t_end) & ~(accepted & (t_new >= t_end))
+        factor = sg(jnp.where(clip, (t_end - t_next) / hh, factor))
+        h_next = jnp.where(clip, t_end - t_next, h_next)
+        rescale = rejected_now | choose | clip
+        dd = jax.lax.cond(
+            jnp.any(rescale),
+            lambda: jnp.where(
+                rescale[:, None, None], change(dd, order_next, factor), dd
+            ),
+            lambda: dd,
+        )
+        n_equal = jnp.where(rescale, 0, n_equal)
+
+        rejected = jnp.where(accepted, 0, s["rejected"] + (live & ~accepted))
+        tiny = h_next < 10 * eps * jnp.abs(t_next)
+        failed = s["failed"] | (
+            live & ((rejected > _MAX_REJECTED) | tiny | ~jnp.isfinite(h_next))
+        )
+        done = s["done"] | failed | (accepted & (t_new >= t_end))
+        return dict(
+            t=t_next,
+            h=h_next,
+            order=order_next,
+            d=dd,
+            n_equal=n_equal,
+            jac=jac,
+            jac_current=jnp.where(accepted, False, jac_current),
+            need_jac=retry_jac,
+            inverse=inverse,
+            lu_ok=jnp.where(live, ~rescale & ~retry_jac, s["lu_ok"]),
+            ys=os["ys"],
+            k_out=os["k_out"],
+            done=done,
+            failed=failed,
+            rejected=rejected,
+            attempts=s["attempts"] + 1,
+            stats=s["stats"]
+            + jnp.stack(
+                [
+                    accepted,
+                    live & ~accepted,
+                    need_jac,
+                    need_lu,
+                    live * ns["iterations"],
+                ],
+                axis=1,
+            ).astype(jnp.int32),
+        )
+
+    state = jax.lax.while_loop(
+        lambda s: jnp.any(~s["done"]) & (s["attempts"] < max_steps), attempt, state
+    )
+    ok = state["done"] & ~state["failed"] & (state["k_out"] >= n_out)
+    if with_stats:
+        return state["ys"], ok, state["stats"]
+    return state["ys"], ok

@@ -1,0 +1,143 @@
+"""`sciflat.BDF`, the variable-order BDF method of PEtab simulations: against a tight
+Kvaerno5 solve (stiff and non-autonomous problems, at the tolerances and tighter), a
+batch of conditions against each solved alone, its forward derivatives against
+central differences of tight solves, its matrices kept over many steps, a blow-up
+reported as a failure, and the state's dtype throughout."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sciflat
+from helpers import foreign_float_ops, robertson, tight
+
+
+pytest.importorskip("diffrax")
+from sciflat._petab.bdf import bdf_solve
+
+
+@pytest.fixture(scope="module")
+def x64():
+    with jax.enable_x64(True):
+        yield
+
+
+def forced_oscillator(t, y, k):
+    # Van der Pol with stiffness k[0], forced: non-autonomous, a parameter per batch.
+    return jnp.stack([y[1], k[0] * (1 - y[0] ** 2) * y[1] - y[0] + jnp.sin(t)])
+
+
+def solve(f, k, y0, ts, rtol=1e-8, atol=1e-12):
+    """`bdf_solve` of a batch: `k` `(C, m)`, `y0` `(C, n)`; with its statistics."""
+    return bdf_solve(
+        f,
+        jax.jacfwd(f, argnums=1),
+        k,
+        y0,
+        np.asarray(ts, np.float64),
+        rtol,
+        atol,
+        100_000,
+        with_stats=True,
+    )
+
+
+@pytest.mark.slow  # compiles tight Kvaerno5 solves: seconds
+def test_bdf_solves_a_stiff_problem_as_a_tight_kvaerno5_solve(x64):
+    y0 = jnp.array([1.0, 0.0, 0.0])
+    ts = [0.0, 0.1, 1.0, 10.0, 100.0, 1000.0]
+    ref = tight(robertson, y0, ts)
+    errors = []
+    for rtol in (1e-6, 1e-9):
+        ys, ok, stats = jax.jit(
+            lambda k, y0, rtol=rtol: solve(robertson, k, y0, ts, rtol, 1e-14)
+        )(jnp.zeros((1, 0)), y0[None])
+        assert bool(ok[0])
+        errors.append(float(jnp.max(jnp.abs(ys[0] - ref) / (jnp.abs(ref) + 1e-10))))
+        accepted, _rejected, jacobians, matrices, _ = (int(v) for v in stats[0])
+        # Its Jacobian and Newton matrix are kept over many steps: the point of it.
+        assert jacobians < accepted / 10 and matrices < accepted / 2
+    # A solution at the tolerance asked for, and closer at tighter ones (by 43x for
+    # 1000x here: the global error of a variable-order method is not proportional).
+    assert errors[0] < 1e-5 and errors[1] < 1e-7
+    assert errors[1] < errors[0] / 10
+    np.testing.assert_allclose(ys[0, 0], y0, rtol=0)  # t = 0: the start itself
+
+
+@pytest.mark.slow  # compiles tight Kvaerno5 solves: seconds
+def test_a_batch_of_conditions_is_each_condition_solved_alone(x64):
+    ks = jnp.array([[1.0], [5.0], [20.0]])
+    y0s = jnp.array([[2.0, 0.0], [1.0, 0.5], [-1.0, 1.0]])
+    ts = [0.0, 0.5, 1.7, 3.0]  # between steps: the BDF's interpolating polynomial
+    batch = jax.jit(lambda k, y: solve(forced_oscillator, k, y, ts, 1e-10))
+    ys, ok, stats = batch(ks, y0s)
+    assert bool(jnp.all(ok))
+    for c in range(3):
+        alone, _, alone_stats = batch(ks[c : c + 1], y0s[c : c + 1])
+        np.testing.assert_allclose(ys[c], alone[0], rtol=1e-13, atol=1e-13)
+        np.testing.assert_array_equal(stats[c], alone_stats[0])
+        ref = tight(lambda t, y, a, k=ks[c]: forced_oscillator(t, y, k), y0s[c], ts)
+        np.testing.assert_allclose(ys[c], ref, rtol=1e-7, atol=1e-8)
+    # The stiffer the oscillator, the more steps: the conditions step on their own.
+    assert len({int(s[0]) for s in stats}) == 3
+
+
+@pytest.mark.slow  # compiles the solve, its derivative and tight solves: seconds
+def test_bdf_forward_derivatives_are_the_solutions(x64):
+    # Forward mode through the Newton iterations (the step sizes and matrices taken
+    # as constants) against central differences of tight Kvaerno5 solves.
+    def dimer(t, y, k):  # dimerisation, stiff for large k[1]
+        return jnp.stack(
+            [
+                -2 * k[0] * y[0] ** 2 + 2 * k[1] * y[1],
+                k[0] * y[0] ** 2 - k[1] * y[1],
+            ]
+        )
+
+    y0 = jnp.array([1.0, 0.5])
+    ts = [0.0, 0.05, 0.1]
+    k = jnp.array([2.0, 30.0])
+
+    def at_end(k):
+        ys, _, _ = solve(dimer, k[None], y0[None], ts, 1e-10, 1e-14)
+        return ys[0, -1]
+
+    forward = jax.jit(jax.jacfwd(at_end))(k)
+    fn = jax.jit(lambda k: tight(lambda t, y, a: dimer(t, y, k), y0, ts)[-1])
+    eps = 1e-6
+    central = jnp.stack(
+        [(fn(k + eps * e) - fn(k - eps * e)) / (2 * eps) for e in jnp.eye(2)], axis=1
+    )
+    # (dropping the rhs's tangent in the iterations is 100% off; these are ~1e-9)
+    np.testing.assert_allclose(forward, central, rtol=1e-6, atol=1e-9)
+
+
+def test_a_blow_up_is_a_failed_solve_with_the_solution_before_it(x64):
+    # y' = y**2 from 1 leaves every bound at t = 1.
+    ys, ok, stats = jax.jit(
+        lambda k, y: solve(lambda t, y, k: y**2, k, y, [0.0, 0.5, 2.0])
+    )(jnp.zeros((1, 0)), jnp.ones((1, 1)))
+    assert not bool(ok[0])
+    np.testing.assert_allclose(ys[0, 1, 0], 2.0, rtol=1e-6)  # 1 / (1 - t)
+    assert int(stats[0, 0] + stats[0, 1]) < 10_000  # stopped, not at max_steps
+
+
+def test_bdf_computes_in_the_states_dtype(x64):
+    y0 = jnp.array([[1.0, 0.0, 0.0]], jnp.float32)
+    k = jnp.zeros((1, 0), jnp.float32)
+    fn = lambda k, y: solve(robertson, k, y, [0.0, 1.0, 10.0], 1e-4, 1e-6)[:2]
+    ys, ok = jax.jit(fn)(k, y0)
+    assert ys.dtype == jnp.float32 and bool(ok[0])
+    np.testing.assert_allclose(
+        ys[0, -1], tight(robertson, jnp.array([1.0, 0.0, 0.0]), [10.0])[-1], rtol=1e-3
+    )
+    assert foreign_float_ops(jax.make_jaxpr(fn)(k, y0), jnp.float32) == []
+
+
+def test_bdf_options_are_checked():
+    assert sciflat.BDF() == sciflat.BDF(max_order=5)
+    assert hash(sciflat.BDF(3)) == hash(sciflat.BDF(3))
+    for bad in (0, 6, 2.0):
+        with pytest.raises(ValueError, match="max_order"):
+            sciflat.BDF(max_order=bad)
