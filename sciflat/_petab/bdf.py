@@ -207,52 +207,13 @@ def bdf_solve(
         stats=jnp.zeros((n_cond, 5), jnp.int32),
     )
 
-    def attempt(s):
-        live = ~s["done"]
-        order, hh, t, dd = s["order"], s["h"], s["t"], s["d"]
-        # The step was shortened to end at `t_end` (below): it ends there exactly.
-        t_new = jnp.where(t + hh >= t_end, t_end, t + hh)
-        lu_ok = s["lu_ok"]
+    def _newton(
+        y_pred, psi, constants, t_new, c, ratio_fix, inverse, scale, crate, live
+    ):
+        """Newton's iteration (SciPy's `solve_bdf_system`) for the corrector
+        `c f(t_new, y) - psi - (y - y_pred) = 0`, the batch together, with the
+        Newton matrix of earlier steps (`inverse`)."""
 
-        below = rows[None, :] <= order[:, None]  # (C, 8)
-        y_pred = jnp.sum(jnp.where(below[:, :, None], dd, 0), axis=1)
-        g = jnp.where(below[:, 1:6] & (rows[None, 1:6] >= 1), gamma[None, 1:6], 0)
-        a_o = alpha[order]
-        psi = jnp.einsum("ck,ckn->cn", g, dd[:, 1:6]) / a_o[:, None]
-        c = hh / a_o
-        scale = atol + rtol * jnp.abs(y_pred)
-
-        # The Jacobian where Newton's iteration failed with an old one.
-        need_jac = live & s["need_jac"]
-        jac = jax.lax.cond(
-            jnp.any(need_jac),
-            lambda: jnp.where(
-                need_jac[:, None, None], jac_b(t_new, y_pred, constants), s["jac"]
-            ),
-            lambda: s["jac"],
-        )
-        jac_current = s["jac_current"] | need_jac
-        lu_ok = lu_ok & ~need_jac
-        # The Newton matrix `I - c J`, inverted, where the step or order changed.
-        # CVODES keeps its Newton matrix while `c` stays within 30 % of the one it
-        # was built with, the correction scaled by 2 / (1 + c / c_lu) (its `gamrat`).
-        far = jnp.abs(c / s["c_lu"] - 1) > 0.3
-        need_lu = live & (~lu_ok | far)
-        eye = jnp.eye(n, dtype=dtype)
-        inverse = jax.lax.cond(
-            jnp.any(need_lu),
-            lambda: jnp.where(
-                need_lu[:, None, None],
-                jnp.linalg.inv(sg(eye - c[:, None, None] * jac)),
-                s["inverse"],
-            ),
-            lambda: s["inverse"],
-        )
-        c_lu = jnp.where(need_lu, c, s["c_lu"])
-        crate = jnp.where(need_lu, 1.0, s["crate"])
-        ratio_fix = 2 / (1 + c / c_lu)
-
-        # Newton's iteration (SciPy's `solve_bdf_system`), the batch together.
         def newton_cond(ns):
             return jnp.any(ns["active"])
 
@@ -316,10 +277,87 @@ def bdf_solve(
                 k=jnp.zeros((), jnp.int32),
             ),
         )
-        y_new, corr, converged = ns["y"], ns["corr"], ns["converged"]
-        n_iter = jnp.maximum(ns["iterations"], 1).astype(dtype)
+        return ns["y"], ns["corr"], ns["converged"], ns["iterations"], ns["rate"]
+
+    newton = jax.custom_jvp(_newton)
+
+    @newton.defjvp
+    def _newton_jvp(primals, tangents):
+        """The derivative of the corrector's solution, not of the iterations: from
+        `(I - c J(y)) dy = c df/dk dk - dpsi + dy_pred` at the converged `y`, with
+        the exact Jacobian there and its matrix inverted (as the implicit stages of
+        `Kvaerno5` are differentiated). Iterations stopped at the step's tolerance
+        leave the state within it; their derivative (forward mode through them) is
+        not: Bachmann's gradient was 5 times off its converged value that way."""
+        _, _, constants, t_new, c = primals[:5]
+        d_pred, d_psi, d_k = tangents[:3]
+        out = _newton(*primals)
+        y, _, converged, iterations, last_rate = out
+        fk = jax.jvp(lambda k: f_b(t_new, y, k), (constants,), (d_k,))[1]
+        w = jnp.eye(n, dtype=dtype) - c[:, None, None] * jac_b(t_new, y, constants)
+        w_inv = jnp.linalg.inv(sg(w))
+        dy = jnp.einsum("cij,cj->ci", w_inv, c[:, None] * fk - d_psi + d_pred)
+        dy = jnp.where(converged[:, None] & jnp.isfinite(dy), dy, d_pred)
+        zero = lambda a: np.zeros(a.shape, jax.dtypes.float0)
+        return out, (
+            dy,
+            dy - d_pred,
+            zero(converged),
+            zero(iterations),
+            jnp.zeros_like(last_rate),
+        )
+
+    def attempt(s):
+        live = ~s["done"]
+        order, hh, t, dd = s["order"], s["h"], s["t"], s["d"]
+        # The step was shortened to end at `t_end` (below): it ends there exactly.
+        t_new = jnp.where(t + hh >= t_end, t_end, t + hh)
+        lu_ok = s["lu_ok"]
+
+        below = rows[None, :] <= order[:, None]  # (C, 8)
+        y_pred = jnp.sum(jnp.where(below[:, :, None], dd, 0), axis=1)
+        g = jnp.where(below[:, 1:6] & (rows[None, 1:6] >= 1), gamma[None, 1:6], 0)
+        a_o = alpha[order]
+        psi = jnp.einsum("ck,ckn->cn", g, dd[:, 1:6]) / a_o[:, None]
+        c = hh / a_o
+        scale = atol + rtol * jnp.abs(y_pred)
+
+        # The Jacobian where Newton's iteration failed with an old one.
+        need_jac = live & s["need_jac"]
+        jac = jax.lax.cond(
+            jnp.any(need_jac),
+            lambda: jnp.where(
+                need_jac[:, None, None], jac_b(t_new, y_pred, constants), s["jac"]
+            ),
+            lambda: s["jac"],
+        )
+        jac_current = s["jac_current"] | need_jac
+        lu_ok = lu_ok & ~need_jac
+        # The Newton matrix `I - c J`, inverted, where the step or order changed.
+        # CVODES keeps its Newton matrix while `c` stays within 30 % of the one it
+        # was built with, the correction scaled by 2 / (1 + c / c_lu) (its `gamrat`).
+        far = jnp.abs(c / s["c_lu"] - 1) > 0.3
+        need_lu = live & (~lu_ok | far)
+        eye = jnp.eye(n, dtype=dtype)
+        inverse = jax.lax.cond(
+            jnp.any(need_lu),
+            lambda: jnp.where(
+                need_lu[:, None, None],
+                jnp.linalg.inv(sg(eye - c[:, None, None] * jac)),
+                s["inverse"],
+            ),
+            lambda: s["inverse"],
+        )
+        c_lu = jnp.where(need_lu, c, s["c_lu"])
+        crate = jnp.where(need_lu, 1.0, s["crate"])
+        ratio_fix = 2 / (1 + c / c_lu)
+
+        y_new, corr, converged, iterations, last_rate = newton(
+            y_pred, psi, constants, t_new, c, ratio_fix, inverse, scale, crate, live
+        )
+        n_iter = jnp.maximum(iterations, 1).astype(dtype)
         crate = jnp.where(
-            live & (ns["iterations"] >= 2), jnp.maximum(0.3 * crate, ns["rate"]), crate
+            live & (iterations >= 2), jnp.maximum(0.3 * crate, last_rate), crate
         )
 
         # Not converged: a fresh Jacobian first, then half the step.
@@ -477,7 +515,7 @@ def bdf_solve(
                     live & ~accepted,
                     need_jac,
                     need_lu,
-                    live * ns["iterations"],
+                    live * iterations,
                 ],
                 axis=1,
             ).astype(jnp.int32),
