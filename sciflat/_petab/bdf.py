@@ -282,7 +282,7 @@ def bdf_solve(
     newton = jax.custom_jvp(_newton)
 
     @newton.defjvp
-    def _newton_jvp(primals, tangents):
+    def _newton_jvp(primals, tangents) -> Any:
         """The derivative of the corrector's solution, not of the iterations: from
         `(I - c J(y)) dy = c df/dk dk - dpsi + dy_pred` at the converged `y`, with
         the exact Jacobian there and its matrix inverted (as the implicit stages of
