@@ -21,9 +21,10 @@ in the attempts where some condition needs one. The solution at the measurement
 times is the BDF's own interpolating polynomial (as CVODES's `CVodeGetDky`), so the
 steps need not end on them.
 
-Differentiation is JAX's forward mode through the loop: the sensitivities follow
-the state through the same Newton iterations (CVODES's "simultaneous corrector"),
-the step sizes, orders and matrices taken as constants. The algorithm follows SciPy's
+Differentiation is JAX's forward mode through the loop, the step sizes, orders and
+matrices taken as constants, and each step's corrector differentiated at its
+solution (implicitly, with the exact Jacobian there: a custom JVP), not through the
+Newton iterations that found it. The algorithm follows SciPy's
 `scipy.integrate.BDF` (Shampine & Reichelt 1997, "The MATLAB ODE Suite"; Byrne and
 Hindmarsh's quasi-constant step size implementation), written over a batch.
 """
@@ -50,11 +51,11 @@ class BDF:
     [`sciflat.petab_problem`][]'s simulations: `petab_problem(path, solver=BDF())`.
 
     Its Jacobian and Newton matrix are kept over many steps (rebuilt when the step
-    size or order changes, or Newton's iteration stalls), so a step costs two or three
-    evaluations of the vector field: the method of CVODES (AMICI) and PEtab.jl's
-    `QNDF` for models of dozens of species and more. The solution at the
-    measurement times is its interpolating polynomial, and the gradient is forward
-    mode through its iterations.
+    size or order moves its coefficient by more than 30 %, or Newton's iteration
+    stalls), so a step costs one to three evaluations of the vector field: the method
+    of CVODES (AMICI) and PEtab.jl's `QNDF` for models of dozens of species and more.
+    The solution at the measurement times is its interpolating polynomial, and the
+    gradient is forward mode, each step's corrector differentiated at its solution.
 
     **Fields:**
 
