@@ -117,7 +117,7 @@ def _steps(problem: Any, model: dict[str, Any]) -> str:
             constants, x0 = objective.initial(ext, c)
             _, _, stats = bdf_solve(
                 rhs,
-                rhs.jacobian if rhs.analytic else jax.jacfwd(rhs, argnums=1),
+                rhs.jacobian,
                 constants[None],
                 x0[None],
                 ts,

@@ -15,11 +15,12 @@ instead: the Newton matrix kept over changes of the step (its correction scaled 
 last steps' rate of convergence, and Newton's tolerance `min(0.03, rtol ** 0.25)`
 of the step's error tolerance (SciPy: `min(0.03, sqrt(rtol))`).
 
-The conditions of a problem are one batch: each has its own time, step size, order
-and matrices; a Jacobian or a Newton matrix is computed (for the whole batch) only
-in the attempts where some condition needs one. The solution at the measurement
-times is the BDF's own interpolating polynomial (as CVODES's `CVodeGetDky`), so the
-steps need not end on them.
+`bdf_solve` takes a batch of conditions: each has its own time, step size, order and
+matrices; a Jacobian or a Newton matrix is computed (for the whole batch) only in the
+attempts where some condition needs one. (The PEtab objective passes one condition
+at a time: that computes each condition's matrices only when it needs them.) The
+solution at the measurement times is the BDF's own interpolating polynomial (as
+CVODES's `CVodeGetDky`), so the steps need not end on them.
 
 Differentiation is JAX's forward mode through the loop, the step sizes, orders and
 matrices taken as constants, and each step's corrector differentiated at its
@@ -193,8 +194,7 @@ def bdf_solve(
         jac_current=jnp.zeros((n_cond,), bool),
         need_jac=jnp.zeros((n_cond,), bool),
         inverse=jnp.zeros((n_cond, n, n), dtype),
-        lu_ok=jnp.zeros((n_cond,), bool),
-        c_lu=jnp.ones((n_cond,), dtype),
+        c_lu=jnp.full((n_cond,), jnp.inf, dtype),  # no Newton matrix yet
         crate=jnp.ones((n_cond,), dtype),
         ys=ys,
         k_out=k_out,
@@ -310,7 +310,6 @@ def bdf_solve(
         order, hh, t, dd = s["order"], s["h"], s["t"], s["d"]
         # The step was shortened to end at `t_end` (below): it ends there exactly.
         t_new = jnp.where(t + hh >= t_end, t_end, t + hh)
-        lu_ok = s["lu_ok"]
 
         below = rows[None, :] <= order[:, None]  # (C, 8)
         y_pred = jnp.sum(jnp.where(below[:, :, None], dd, 0), axis=1)
@@ -330,12 +329,12 @@ def bdf_solve(
             lambda: s["jac"],
         )
         jac_current = s["jac_current"] | need_jac
-        lu_ok = lu_ok & ~need_jac
-        # The Newton matrix `I - c J`, inverted, where the step or order changed.
-        # CVODES keeps its Newton matrix while `c` stays within 30 % of the one it
-        # was built with, the correction scaled by 2 / (1 + c / c_lu) (its `gamrat`).
+        # The Newton matrix `I - c J`, inverted, with a new Jacobian or where the
+        # step or order changed: CVODES keeps its Newton matrix while `c` stays
+        # within 30 % of the one it was built with, the correction scaled by
+        # 2 / (1 + c / c_lu) (its `gamrat`).
         far = jnp.abs(c / s["c_lu"] - 1) > 0.3
-        need_lu = live & (~lu_ok | far)
+        need_lu = live & (need_jac | far)
         eye = jnp.eye(n, dtype=dtype)
         inverse = jax.lax.cond(
             jnp.any(need_lu),
@@ -497,7 +496,6 @@ def bdf_solve(
             jac_current=jnp.where(accepted, False, jac_current),
             need_jac=retry_jac,
             inverse=inverse,
-            lu_ok=jnp.where(live, ~retry_jac, s["lu_ok"]),
             c_lu=c_lu,
             crate=crate,
             ys=os["ys"],

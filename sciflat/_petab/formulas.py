@@ -342,8 +342,10 @@ class RateLaws:
         return dx / self.sizes(z)
 
     def jacobian(self, t: Any, x: Any, k: Any) -> Any:
-        """`d rhs / d x` at `(t, x, k)`, `(n, n)` (for sizes that do not depend on
-        the state, `self.analytic`)."""
+        """`d rhs / d x` at `(t, x, k)`, `(n, n)`: analytic where the compartment
+        sizes do not depend on the state (`self.analytic`), else `jax.jacfwd`."""
+        if not self.analytic:
+            return jax.jacfwd(self.evaluate, argnums=1)(t, x, k)
         z = self._z(t, x, k)
         n = x.shape[0]
         if not self.rates.size:

@@ -350,19 +350,16 @@ class Objective:
     def solve_all(self, ext: Array) -> tuple[Array, Array]:
         """Every condition at the union of the measurement times: `(C, T, n)`."""
         ts = self.tables.union_times
-        if isinstance(self._solver, BDF):
-            pairs = [self.initial(ext, c) for c in range(len(self.tables.conditions))]
-            constants = jnp.stack([k for k, _ in pairs])
-            x0 = jnp.stack([x for _, x in pairs])
-            ys, ok = self._bdf(constants, x0, ts)
-            return ys, jnp.all(ok)
-        if len(self.tables.conditions) == 1:
+        if len(self.tables.conditions) == 1 and not isinstance(self._solver, BDF):
             ys, ok = self.solve(ext, 0, ts)
             return ys[None], ok
         pairs = [self.initial(ext, c) for c in range(len(self.tables.conditions))]
         constants = jnp.stack([k for k, _ in pairs])
         x0 = jnp.stack([x for _, x in pairs])
-        ys, ok = jax.vmap(lambda k, x: self.integrate(k, x, ts))(constants, x0)
+        if isinstance(self._solver, BDF):
+            ys, ok = self._bdf(constants, x0, ts)
+        else:
+            ys, ok = jax.vmap(lambda k, x: self.integrate(k, x, ts))(constants, x0)
         return ys, jnp.all(ok)
 
     def integrate(
@@ -405,21 +402,16 @@ class Objective:
     def _bdf(
         self, constants: Array, x0: Array, ts: npt.NDArray[np.float64]
     ) -> tuple[Array, Array]:
+        """Conditions `(C, k)`, `(C, n)` solved by `bdf_solve`: `(C, T, n)`, `(C,)`."""
         if float(ts[-1]) == 0.0:
-            n_t = len(ts)
-            return jnp.broadcast_to(x0[:, None], (x0.shape[0], n_t, x0.shape[1])), (
-                jnp.ones(x0.shape[0], bool)
-            )
+            shape = (x0.shape[0], len(ts), x0.shape[1])
+            return jnp.broadcast_to(x0[:, None], shape), jnp.ones(x0.shape[0], bool)
         rhs = self.formulas.rhs
-        if getattr(rhs, "analytic", False):
-            jacobian = rhs.jacobian
-        else:
-            jacobian = jax.jacfwd(rhs, argnums=1)
 
         def solve(constants: Array, x0: Array) -> tuple[Array, Array]:
             return bdf_solve(
                 rhs,
-                jacobian,
+                rhs.jacobian,
                 constants,
                 x0,
                 ts,

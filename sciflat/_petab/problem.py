@@ -447,8 +447,9 @@ def petab_problem(
     if solver is None and len(ode.species) >= BDF_FROM_STATES:
         # Dozens of species and more: the BDF method, its Jacobian and Newton matrix
         # kept over many steps (2-3 evaluations of the vector field a step, against
-        # Kvaerno5's ~20 and its Jacobian and inversion every step): SalazarCavazos
-        # (75 species) 2.6x faster per llh, 3.2x per gradient.
+        # Kvaerno5's ~20 and its Jacobian and inversion every step): on the
+        # collection's five largest 0.06-0.22 of Kvaerno5's time per llh, 0.15-0.4
+        # per gradient.
         solver = BDF()
     elif solver is None:
         # The chord method (one Jacobian and LU per step), converged on the state in
