@@ -44,6 +44,11 @@ _NEWTON_MAXITER = 4
 _MIN_FACTOR = 0.2
 _MAX_FACTOR = 10.0
 _MAX_REJECTED = 30
+# CVODES's error biases (its BIAS1-3): a new step and order are chosen from the
+# error estimates of the orders below, at and above the current one, times these.
+# SciPy chooses from the estimates alone: Crauste's llh at rtol 1e-8 was 1.9e-6 off
+# its converged value, 4e-7 with these, for 10 % more steps.
+_BIAS = (6.0, 6.0, 10.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +144,8 @@ def bdf_solve(
     # or three iterations every step; CVODES about 10-30 %. Lang: 0.55 of the time,
     # the same llh; the global error at rtol 1e-10 1.2e-8 where SciPy's gives 7e-9
     # (test_bdf's oscillator).
-    newton_tol = max(10 * eps / rtol, min(0.03, rtol**0.25))
+    # (`rtol` may be traced: `check_tolerances` solves again at others.)
+    newton_tol = jnp.maximum(10 * eps / rtol, jnp.minimum(0.03, rtol**0.25))
     t_end = jnp.asarray(ts[-1], dtype)
     ts_j = jnp.asarray(ts, dtype)
     n_out = len(ts)
@@ -206,7 +212,7 @@ def bdf_solve(
     )
 
     def _newton(
-        y_pred, psi, constants, t_new, c, ratio_fix, inverse, scale, crate, live
+        y_pred, psi, constants, t_new, c, ratio_fix, inverse, scale, crate, live, tol
     ):
         """Newton's iteration (SciPy's `solve_bdf_system`) for the corrector
         `c f(t_new, y) - psi - (y - y_pred) = 0`, the batch together, with the
@@ -228,10 +234,7 @@ def bdf_solve(
             left = (_NEWTON_MAXITER - ns["k"]).astype(dtype)
             diverge = ~first & (
                 (rate >= 1)
-                | (
-                    rate**left / jnp.where(rate < 1, 1 - rate, 1.0) * dy_norm
-                    > newton_tol
-                )
+                | (rate**left / jnp.where(rate < 1, 1 - rate, 1.0) * dy_norm > tol)
             )
             stop = active & (~finite | diverge | ~jnp.isfinite(dy_norm))
             move = active & ~stop
@@ -240,13 +243,11 @@ def bdf_solve(
             # The first iteration is judged by the rate of the last steps, as
             # CVODES does (its `crate`, 1 after a new matrix): one can be enough.
             later = (rate < 1) & (
-                rate / jnp.where(rate < 1, 1 - rate, 1.0) * dy_norm < newton_tol
+                rate / jnp.where(rate < 1, 1 - rate, 1.0) * dy_norm < tol
             )
             conv = move & (
                 (dy_norm == 0)
-                | jnp.where(
-                    first, jnp.minimum(crate, 1.0) * dy_norm < newton_tol, later
-                )
+                | jnp.where(first, jnp.minimum(crate, 1.0) * dy_norm < tol, later)
             )
             k = ns["k"] + 1
             active = move & ~conv & (k < _NEWTON_MAXITER)
@@ -350,7 +351,17 @@ def bdf_solve(
         ratio_fix = 2 / (1 + c / c_lu)
 
         y_new, corr, converged, iterations, last_rate = newton(
-            y_pred, psi, constants, t_new, c, ratio_fix, inverse, scale, crate, live
+            y_pred,
+            psi,
+            constants,
+            t_new,
+            c,
+            ratio_fix,
+            inverse,
+            scale,
+            crate,
+            live,
+            newton_tol,
         )
         n_iter = jnp.maximum(iterations, 1).astype(dtype)
         crate = jnp.where(
@@ -375,7 +386,7 @@ def bdf_solve(
             jnp.maximum(
                 _MIN_FACTOR,
                 safety
-                * jnp.where(error_norm > 0, error_norm, 1.0)
+                * (_BIAS[1] * jnp.where(error_norm > 0, error_norm, 1.0))
                 ** (-1 / (order + 1).astype(dtype)),
             ),
         )
@@ -448,6 +459,7 @@ def bdf_solve(
                 jnp.inf,
             )
             errs = sg(jnp.stack([err_m, error_norm, err_p], axis=1))
+            errs = errs * jnp.asarray(_BIAS, dtype)
             powers = -1 / (order[:, None] + jnp.arange(3)[None, :]).astype(dtype)
             factors = jnp.where(
                 errs > 0, jnp.where(errs > 0, errs, 1.0) ** powers, jnp.inf
