@@ -19,6 +19,10 @@ converged value to 1e-11 on these problems). Variants:
 - `BDF`: `sciflat.BDF`, variable order 1 to 5 (a Jacobian and a Newton matrix kept
   over many steps, two or three evaluations of the vector field a step; the steps
   column gives its accepted + rejected steps, then its Newton matrices);
+- `BDF, conditions in turn` / `as one batch`: `BDF` with its conditions solved one
+  after the other (its default from 20 species) or as one batch (below 20);
+- `BDF, SciPy's step choice`: `BDF` choosing its step and order from the error
+  estimates alone, without CVODES's biases (`sciflat._petab.bdf._BIAS`);
 - `Kvaerno3` / `Kvaerno4`, Newton: lower orders, cheaper steps, more of them;
 - `Kvaerno5, chord`: Diffrax's default root finder (`VeryChord`: the Jacobian kept
   over the iterations of a stage, converged in the vector field's scale);
@@ -46,6 +50,7 @@ import numpy as np
 import optimistix
 
 import sciflat
+from sciflat._petab import bdf as bdf_module
 from sciflat._petab.bdf import bdf_solve
 from sciflat._petab.objective import StageChord, forward_sensitivities
 
@@ -73,6 +78,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "Kvaerno5, Newton": {"solver": _newton(diffrax.Kvaerno5, 1e-8, 1e-10)},
     "Rodas5P": {"solver": sciflat.Rodas5P()},
     "BDF": {"solver": sciflat.BDF()},
+    "BDF, conditions in turn": {"solver": sciflat.BDF(), "bdf_in_turn": True},
+    "BDF, conditions as one batch": {"solver": sciflat.BDF(), "bdf_in_turn": False},
+    "BDF, SciPy's step choice": {"solver": sciflat.BDF(), "bias": (1.0, 1.0, 1.0)},
     "Kvaerno4, Newton": {"solver": _newton(diffrax.Kvaerno4, 1e-8, 1e-10)},
     "Kvaerno3, Newton": {"solver": _newton(diffrax.Kvaerno3, 1e-8, 1e-10)},
     "Kvaerno5, chord": {"solver": diffrax.Kvaerno5()},
@@ -168,7 +176,10 @@ def main(
             options = dict(options)
             in_turn = options.pop("in_turn", False)
             plain_jacobian = options.pop("plain_jacobian", False)
+            bdf_in_turn = options.pop("bdf_in_turn", None)
+            bias = options.pop("bias", bdf_module._BIAS)
             problem = sciflat.petab_problem(yaml, **options)
+            problem._objective._bdf_in_turn = bdf_in_turn
             if plain_jacobian:  # `jax.jacfwd` of the plain right-hand side
                 problem._objective.formulas.rhs.analytic = False
             if in_turn:
@@ -181,13 +192,18 @@ def main(
                 jax.grad(lambda x, problem=problem, re=re: problem.nll(re(x)))
             )
             t = time.perf_counter()
-            llh = -float(llh_fn(p)) - float(problem.log_prior(problem.nominal))
-            jax.block_until_ready(grad_fn(p))
+            default_bias, bdf_module._BIAS = bdf_module._BIAS, bias  # while tracing
+            try:
+                llh = -float(llh_fn(p)) - float(problem.log_prior(problem.nominal))
+                jax.block_until_ready(grad_fn(p))
+                steps = _steps(problem, problem.nominal)
+            finally:
+                bdf_module._BIAS = default_bias
             compile_s = time.perf_counter() - t
             err = abs(llh - ref_llh) / abs(ref_llh) if np.isfinite(llh) else llh
             rows[label] = {
                 "err": err,
-                "steps": _steps(problem, problem.nominal),
+                "steps": steps,
                 "compile": compile_s,
             }
             fns[label] = (llh_fn, grad_fn, p)

@@ -38,6 +38,10 @@ from .bdf import BDF, bdf_solve
 from .controller import RejectionLimit
 
 
+# From this many species on, `BDF` solves the conditions one after the other.
+BDF_IN_TURN_FROM_STATES = 20
+
+
 class ReactionODE(eqx.Module):
     """The vector field of a PEtab problem's SBML model in one condition: an Equinox
     model with Diffrax's signature `(t, y, args) -> dy/dt`.
@@ -143,8 +147,9 @@ class StageChord(diffrax.VeryChord):
     2.66, states of 1e8 and rates of 1e12: 100,000 steps and llh -inf; Boehm's: half
     its steps). What the step's error budget is made of is a change of the state.
 
-    Its linear solves are products with the inverse of the stage's matrix
-    ([`InverseSolver`][]), by default."""
+    Its linear solves are products with the inverse of the stage's matrix, by
+    default. For `petab_problem(path, solver=diffrax.Kvaerno5(root_finder=
+    sciflat.StageChord(rtol=1e-8, atol=1e-10)))`, the tolerances of the problem's."""
 
     linear_solver: lx.AbstractLinearSolver = InverseSolver()
 
@@ -273,6 +278,8 @@ class Objective:
         rows = [b.rows for b in self._by_observable] or [np.zeros(0, np.int64)]
         self._order = np.argsort(np.concatenate(rows))
         self._constant_index = np.stack(tables.constant_index)
+        # `BDF`'s conditions in turn or as one batch; None: by the model's size.
+        self._bdf_in_turn: bool | None = None
         self.solve_with_sensitivities = forward_sensitivities(
             lambda linear: self.solve_all(self.ext_of(linear))
         )
@@ -421,12 +428,16 @@ class Objective:
                 self._solver.max_order,
             )
 
-        if x0.shape[0] == 1:
+        # A large model's conditions one after the other: each solve builds its
+        # Jacobian and Newton matrix when it needs them, which one batch (one loop)
+        # would do for all of them whenever one needs them (Bachmann's 36
+        # conditions: 247 ms in turn, 399 ms as one batch). A small model's
+        # matrices cost less than the loop's kernels, which one batch shares.
+        in_turn = self._bdf_in_turn
+        if in_turn is None:
+            in_turn = x0.shape[1] >= BDF_IN_TURN_FROM_STATES
+        if x0.shape[0] == 1 or not in_turn:
             return solve(constants, x0)
-        # The conditions one after the other: each BDF solve builds its Jacobian
-        # and Newton matrix when it needs them, which a batch of solves (one loop,
-        # `vmap`) would do for all of them whenever one needs them (Bachmann's 36
-        # conditions: 247 ms in turn, 399 ms as one batch).
         ys, ok = jax.lax.map(
             lambda a: [v[0] for v in solve(a[0][None], a[1][None])], (constants, x0)
         )
