@@ -42,6 +42,7 @@ if typing.TYPE_CHECKING:
     from ._petab.problem import (
         PetabProblem as PetabProblem,
         ReactionODE as ReactionODE,
+        StageChord as StageChord,
         petab_problem as petab_problem,
     )
     from ._petab.rosenbrock import Rodas5P as Rodas5P
@@ -73,6 +74,7 @@ _LAZY = {
     "PetabProblem": "._petab.problem",
     "HierarchicalProblem": "._petab.hierarchical",
     "ReactionODE": "._petab.problem",
+    "StageChord": "._petab.problem",
     "Rodas5P": "._petab.rosenbrock",
     "BDF": "._petab.bdf",
     "profile": "._profile",

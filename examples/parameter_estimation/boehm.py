@@ -13,9 +13,9 @@ its published fit, and fitted from scratch from many starts, hierarchically.
    each trial of the 6 rates, so the optimiser sees 6 parameters. Starts drawn by Latin
    hypercube within the bounds (on the log10 scale), each fitted by
    `sciflat.least_squares` (dogbox: a trust region with the bounds of the table as an
-   active set; the Jacobian by forward mode through Kvaerno5); `sciflat.multistart`
-   compiles once. The starts that end in the best basin are polished by L-BFGS-B on
-   -log L of all 9 parameters.
+   active set; the Jacobian by forward mode through the BDF solves);
+   `sciflat.multistart` compiles once. The starts that end in the best basin are
+   polished by L-BFGS-B on -log L of all 9 parameters.
 4. The waterfall plot (every start's final -log L, sorted), the best fit over the data,
    and the best fit's standard errors and correlations (from the Hessian of -log L).
 """

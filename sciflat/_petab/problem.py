@@ -21,7 +21,12 @@ from .._fitting.hessian import hessian_uncertainty
 from .bdf import BDF
 from .formulas import compile_formulas
 from .hierarchical import HierarchicalProblem
-from .objective import Objective, ReactionODE as ReactionODE, StageChord, unscale
+from .objective import (
+    Objective,
+    ReactionODE as ReactionODE,
+    StageChord as StageChord,
+    unscale,
+)
 from .sbml import SbmlOde, read_sbml
 from .strong import strongly_typed
 from .tables import Scale, _to_scale, lint, read_files, read_tables
@@ -382,12 +387,6 @@ class PetabProblem:
         return hessian_uncertainty(result, self.nll, scale="nll")
 
 
-# From this many species on, the default solver is `BDF` (PEtab.jl's rule of thumb
-# too: Rodas5P below 20 states, a BDF above). The collection's models have 3-14
-# species or 25-124.
-BDF_FROM_STATES = 20
-
-
 def petab_problem(
     yaml_path: str | os.PathLike[str],
     *,
@@ -422,11 +421,10 @@ def petab_problem(
     - `yaml_path`: the problem's YAML file.
     - `rtol`, `atol`: the tolerances of the step-size controller
         (`diffrax.PIDController`).
-    - `solver`: a Diffrax solver, or [`sciflat.BDF`][] (sciflat's own). Default: for
-        models of fewer than 20 species `diffrax.Kvaerno5` with the chord method as
-        its root finder, converged in the step's tolerance on the state (stiff, 5th
-        order); for 20 species and more `sciflat.BDF()` (variable order, its
-        Jacobian and Newton matrix kept over many steps: what CVODES does).
+    - `solver`: [`sciflat.BDF`][] (sciflat's own; the default: variable order, its
+        Jacobian and Newton matrix kept over many steps, what CVODES does), or a
+        Diffrax solver: `diffrax.Kvaerno5(root_finder=sciflat.StageChord(rtol=rtol,
+        atol=atol))` was the default below 20 species in earlier versions.
     - `max_steps`: of each solve; a solve that fails (at `max_steps`, or after 30
         rejected steps in a row, as CVODES gives up: a blow-up, rates that are not
         defined there) makes `nll` infinite and the
@@ -444,19 +442,12 @@ def petab_problem(
     formulas = compile_formulas(sympy, ode, tables)
     lint(files, petab, yaml_path)
     rtol, atol = float(rtol), float(atol)
-    if solver is None and len(ode.species) >= BDF_FROM_STATES:
-        # Dozens of species and more: the BDF method, its Jacobian and Newton matrix
-        # kept over many steps (2-3 evaluations of the vector field a step, against
-        # Kvaerno5's ~20 and its Jacobian and inversion every step): on the
-        # collection's five largest 0.06-0.22 of Kvaerno5's time per llh, 0.15-0.4
-        # per gradient.
+    if solver is None:
+        # The BDF method, its Jacobian and Newton matrix kept over many steps (1-3
+        # evaluations of the vector field a step, against Kvaerno5's ~20 and its
+        # Jacobian and inversion every step): on the collection's five largest
+        # models 0.06-0.22 of Kvaerno5's time per llh; on the small ones 0.4-1.0
+        # (Borghans, Boehm 1.0-1.3), gradients 0.6-0.9.
         solver = BDF()
-    elif solver is None:
-        # The chord method (one Jacobian and LU per step), converged on the state in
-        # the step's tolerance (`StageChord`): Diffrax's own tests of convergence,
-        # in the vector field's scale, reject half of Boehm's steps and every one of
-        # Laske's after t = 2.66; Newton's method (a Jacobian per iteration) solves
-        # Boehm as well but costs 6x the chord's on SalazarCavazos.
-        solver = diffrax.Kvaerno5(root_finder=StageChord(rtol=rtol, atol=atol))
     objective = Objective(tables, formulas, diffrax, solver, rtol, atol, max_steps)
     return PetabProblem(objective, ode)
