@@ -31,10 +31,8 @@ nominal parameters:
   parameters' scales; AMICI's own at its defaults in parentheses.
 - per call: sciflat's jitted `nll` and `jax.grad(nll)`; AMICI's `simulate_petab` with
   the ExpData and parameter mapping made once (what pyPESTO's objective calls), at its
-  defaults (rtol 1e-8, atol 1e-16), without and with forward sensitivities; AMICI on
-  one thread, sciflat as JAX runs it, OpenBLAS on one thread for both (its idle
-  threads, woken by AMICI's calls, would spin beside JAX's). Medians of interleaved
-  rounds, and the ratio.
+  defaults (rtol 1e-8, atol 1e-16), without and with forward sensitivities; both
+  single-threaded on the host. Medians of interleaved rounds, and the ratio.
 - first call: sciflat's `petab_problem` (read) plus its first `nll` (trace, compile,
   run) and its first gradient; AMICI's model build (code generation and C++ build,
   once per model: cached under `--amici-models`, its time kept beside it) and its load
@@ -361,10 +359,6 @@ def _child(args: list[str], timeout: float) -> tuple[dict[str, Any], str]:
     command = [sys.executable, str(_HERE), *args]
     env = {**os.environ, "AMICI_LOG": "WARNING"}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)  # a true first call
-    # OpenBLAS on one thread: woken by AMICI's side of the process, its idle threads
-    # spin on the second core, where XLA runs half of sciflat's kernels (Elowitz:
-    # sciflat's llh 12.5 ms with them, 7.8 ms without; AMICI's 4.8 and 5.1 ms).
-    env.setdefault("OPENBLAS_NUM_THREADS", "1")
     proc = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     )
