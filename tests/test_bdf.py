@@ -124,6 +124,24 @@ def test_a_blow_up_is_a_failed_solve_with_the_solution_before_it(x64):
     assert int(stats[0, 0] + stats[0, 1]) < 10_000  # stopped, not at max_steps
 
 
+def test_an_input_pulse_that_starts_at_zero_is_not_stepped_over(x64):
+    # y' = 1e-15 + 10 t exp(-t / 0.01): the vector field is ~0 at t = 0 and at t = 10
+    # (the pulse adds 1e-3 between), so the first-step estimates propose the whole
+    # interval; the step is bounded by a tenth of the first measurement, as CVODES's.
+    def pulse(t, y, k):
+        return jnp.stack([1e-15 + 10 * t * jnp.exp(-t / 0.01) + 0 * y[0]])
+
+    want = 1.0 + 1e-3 * (1 - np.exp(-1000.0) * 1001.0)  # the integral to t = 10
+    for rtol, atol in [(1e-8, 1e-10), (1e-12, 1e-14)]:
+        ys, ok, _ = jax.jit(
+            lambda k, y, rtol=rtol, atol=atol: solve(
+                pulse, k, y, [0.0, 1.0, 10.0], rtol, atol
+            )
+        )(jnp.zeros((1, 0)), jnp.ones((1, 1)))
+        assert bool(ok[0])
+        np.testing.assert_allclose(ys[0, -1, 0], want, rtol=100 * rtol)
+
+
 def test_bdf_computes_in_the_states_dtype(x64):
     y0 = jnp.array([[1.0, 0.0, 0.0]], jnp.float32)
     k = jnp.zeros((1, 0), jnp.float32)
