@@ -419,12 +419,12 @@ def petab_problem(
     **Arguments:**
 
     - `yaml_path`: the problem's YAML file.
-    - `rtol`, `atol`: the tolerances of the step-size controller
-        (`diffrax.PIDController`).
+    - `rtol`, `atol`: the tolerances of the solves, each step's error within
+        `atol + rtol * |y|` (for a Diffrax solver, its `diffrax.PIDController`'s).
     - `solver`: [`sciflat.BDF`][] (sciflat's own; the default: variable order, its
         Jacobian and Newton matrix kept over many steps, what CVODES does), or a
-        Diffrax solver: `diffrax.Kvaerno5(root_finder=sciflat.StageChord(rtol=rtol,
-        atol=atol))` was the default below 20 species in earlier versions.
+        Diffrax solver, e.g. `diffrax.Kvaerno5(root_finder=sciflat.StageChord(
+        rtol=rtol, atol=atol))`, an implicit Runge–Kutta method.
     - `max_steps`: of each solve; a solve that fails (at `max_steps`, or after 30
         rejected steps in a row, as CVODES gives up: a blow-up, rates that are not
         defined there) makes `nll` infinite and the
