@@ -47,7 +47,7 @@ _MAX_REJECTED = 30
 # CVODES's error biases (its BIAS1-3): a new step and order are chosen from the
 # error estimates of the orders below, at and above the current one, times these.
 # SciPy chooses from the estimates alone: Crauste's llh at rtol 1e-8 was 1.9e-6 off
-# its converged value, 4e-7 with these, for 10 % more steps.
+# its converged value, 4e-7 with these, for 10-30 % more steps.
 _BIAS = (6.0, 6.0, 10.0)
 
 

@@ -55,8 +55,8 @@ class PetabProblem:
     on its PEtab `parameterScale` (`lin`, `log` or `log10`), so `p` and the bounds are
     on that scale. The objective is the negative log-likelihood of the PEtab noise model
     (normal or Laplace, on the `observableTransformation` scale), the noise parameters
-    estimated with the rest; each condition is solved by Diffrax (stiff solver, adaptive
-    steps, forward-mode derivatives).
+    estimated with the rest; each condition is solved by [`sciflat.BDF`][] by default
+    (stiff, variable order, forward-mode derivatives).
 
     !!! Example
 
@@ -400,11 +400,11 @@ def petab_problem(
 
     The SBML model becomes a symbolic ODE (reactions with their kinetic laws, species
     in concentrations or amounts, compartments, parameters, initial assignments,
-    assignment rules; function definitions expanded), compiled to JAX and solved by
-    Diffrax in every simulation condition. Events, delays, algebraic and rate rules,
-    piecewise functions, pre-equilibration and steady-state measurements are
-    refused with a `ValueError` naming them, never silently dropped. Needs the
-    `petab` extra: `pip install "sciflat[petab]"`.
+    assignment rules; function definitions expanded), compiled to JAX and solved in
+    every simulation condition (by [`sciflat.BDF`][], or the Diffrax solver given).
+    Events, delays, algebraic and rate rules, piecewise functions, pre-equilibration
+    and steady-state measurements are refused with a `ValueError` naming them, never
+    silently dropped. Needs the `petab` extra: `pip install "sciflat[petab]"`.
 
     !!! Example
 
