@@ -1,7 +1,7 @@
 """A PEtab benchmark problem: Boehm et al. 2014 (STAT5 dimerisation), read, checked against
 its published fit, and fitted from scratch from many starts, hierarchically.
 
-    python examples/parameter_estimation/boehm.py               # 12 starts (half a minute)
+    python examples/parameter_estimation/boehm.py               # 24 starts (half a minute)
     python examples/parameter_estimation/boehm.py --starts 100  # the field's 100 starts
 
 1. `sciflat.petab_problem` reads the problem (SBML model, parameter, observable,
@@ -232,7 +232,7 @@ def plot(problem, best, llhs, out: str) -> list[str]:
 def parse(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add = parser.add_argument
-    add("--starts", type=int, default=12, help="how many starts (the field uses 100)")
+    add("--starts", type=int, default=24, help="how many starts (the field uses 100)")
     add("--seed", type=int, default=0)
     add("--ftol", type=float, default=1e-8, help="ftol = xtol = gtol of dogbox")
     add("--out", default=OUT, help="plot folder")
