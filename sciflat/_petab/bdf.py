@@ -17,8 +17,9 @@ of the step's error tolerance (SciPy: `min(0.03, sqrt(rtol))`).
 
 `bdf_solve` takes a batch of conditions: each has its own time, step size, order and
 matrices; a Jacobian or a Newton matrix is computed (for the whole batch) only in the
-attempts where some condition needs one. (The PEtab objective passes one condition
-at a time: that computes each condition's matrices only when it needs them.) The
+attempts where some condition needs one. (The PEtab objective passes a large
+model's conditions one at a time, so that each computes its matrices only when it
+needs them, and a small model's as one batch, which shares the loop's kernels.) The
 solution at the measurement times is the BDF's own interpolating polynomial (as
 CVODES's `CVodeGetDky`), so the steps need not end on them.
 
@@ -59,7 +60,7 @@ class BDF:
     Its Jacobian and Newton matrix are kept over many steps (rebuilt when the step
     size or order moves its coefficient by more than 30 %, or Newton's iteration
     stalls), so a step costs one to three evaluations of the vector field: the method
-    of CVODES (AMICI) and PEtab.jl's `QNDF` for models of dozens of species and more.
+    of CVODES (AMICI) and of PEtab.jl's `QNDF`. The default solver of PEtab problems.
     The solution at the measurement times is its interpolating polynomial, and the
     gradient is forward mode, each step's corrector differentiated at its solution.
 

@@ -148,8 +148,9 @@ class StageChord(diffrax.VeryChord):
     its steps). What the step's error budget is made of is a change of the state.
 
     Its linear solves are products with the inverse of the stage's matrix, by
-    default. For `petab_problem(path, solver=diffrax.Kvaerno5(root_finder=
-    sciflat.StageChord(rtol=1e-8, atol=1e-10)))`, the tolerances of the problem's."""
+    default. Give it the problem's tolerances: `petab_problem(path,
+    solver=diffrax.Kvaerno5(root_finder=sciflat.StageChord(rtol=1e-8, atol=1e-10)))`
+    for the default `rtol=1e-8, atol=1e-10`."""
 
     linear_solver: lx.AbstractLinearSolver = InverseSolver()
 
