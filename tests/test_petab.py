@@ -370,7 +370,11 @@ def test_small_gradient_matches_finite_differences_in_both_modes(small):
     np.testing.assert_allclose(grad, fd, rtol=1e-5, atol=1e-6)
     value, reverse = jax.value_and_grad(f)(p)
     np.testing.assert_allclose(reverse, grad, rtol=1e-12)
-    np.testing.assert_allclose(value, f(p), rtol=1e-14)
+    # The value that comes with a derivative is that of the solves whose steps
+    # control the sensitivities' errors too (BDF's `control_sensitivities`): the
+    # same in every mode, and `nll`'s within the solves' tolerances (1e-11 here).
+    np.testing.assert_allclose(value, jax.jvp(f, (p,), (p,))[0], rtol=1e-14)
+    np.testing.assert_allclose(value, f(p), rtol=1e-9)
 
 
 NORMAL_MEASUREMENTS = [m for m in SMALL_MEASUREMENTS if m[0] != "obsC"]
@@ -982,6 +986,34 @@ def test_bdf_conditions_in_one_batch_or_in_turn_are_the_same_solves(small):
         got[in_turn] = jax.jit(again.solve_all)(ext)
     assert bool(got[False][1]) and bool(got[True][1])
     np.testing.assert_allclose(got[False][0], got[True][0], rtol=1e-13, atol=1e-15)
+
+
+@pytest.mark.slow  # reads the small problem thrice and compiles its gradients
+def test_bdf_gradients_converge_with_the_tolerances_as_the_values(tmp_path):
+    # BDF's `control_sensitivities` (the default): the solves that give a gradient
+    # choose their steps by the sensitivities' errors too, as AMICI's do. At rtol
+    # 1e-6 the gradient is 1.2e-7 off its converged value with them, 1.2e-6 along
+    # the state's steps alone.
+    path = small_problem(tmp_path / "small")
+    tight = sciflat.petab_problem(path, rtol=1e-13, atol=1e-15)
+    p, re = sciflat.destructure(tight.nominal, dtype=jnp.float64)
+    ref = jax.grad(lambda x: tight.nll(re(x)))(p)
+    errors = {}
+    for control in (True, False):
+        problem = sciflat.petab_problem(
+            path,
+            rtol=1e-6,
+            atol=1e-8,
+            solver=sciflat.BDF(control_sensitivities=control),
+        )
+        f = lambda x, problem=problem: problem.nll(re(x))
+        value, grad = jax.value_and_grad(f)(p)
+        errors[control] = float(jnp.linalg.norm(grad - ref) / jnp.linalg.norm(ref))
+        if not control:  # the derivative of `nll`'s own solves: its value, the bits
+            np.testing.assert_allclose(value, f(p), rtol=1e-15)
+        else:
+            np.testing.assert_allclose(value, f(p), rtol=1e-5)
+    assert errors[True] < 4e-7 < 6e-7 < errors[False]
 
 
 RAIA = (

@@ -235,24 +235,31 @@ def _formula_rows(
     return jax.vmap(many)(ts, xs, named, params)
 
 
-def forward_sensitivities(solve: Callable) -> Callable:
+def forward_sensitivities(
+    solve: Callable, sensitivities: Callable | None = None
+) -> Callable:
     """`solve(x) -> (ys, ok)` whose derivative is its forward sensitivities: any
     JVP computes the whole Jacobian dys/dx (one tangent per parameter, through the
     solves' `diffrax.ForwardMode`) and applies it. So reverse mode works too, as the
     transpose of that product (Diffrax's forward mode alone is a `while_loop` that
     JAX cannot transpose), and costs what forward mode costs: for `jax.grad` of a
-    scalar, as much as `jax.jacfwd`; for one `jax.jvp`, `len(x)` tangents, not one."""
+    scalar, as much as `jax.jacfwd`; for one `jax.jvp`, `len(x)` tangents, not one.
+    `sensitivities(x) -> (ys, ok, dys/dx)`, if given, computes the solution and its
+    Jacobian together (its solves' steps may differ from `solve`'s)."""
     fn = jax.custom_jvp(solve)
 
     @fn.defjvp
     def jvp(primals, tangents):
         (x,), (dx,) = primals, tangents
+        if sensitivities is not None:
+            ys, ok, jac = sensitivities(x)
+        else:
 
-        def ys_and_all(x):
-            ys, ok = solve(x)
-            return ys, (ys, ok)
+            def ys_and_all(x):
+                ys, ok = solve(x)
+                return ys, (ys, ok)
 
-        jac, (ys, ok) = jax.jacfwd(ys_and_all, has_aux=True)(x)
+            jac, (ys, ok) = jax.jacfwd(ys_and_all, has_aux=True)(x)
         dys = jnp.tensordot(jac, dx, axes=1)
         return (ys, ok), (dys, np.zeros(jnp.shape(ok), jax.dtypes.float0))
 
@@ -282,7 +289,10 @@ class Objective:
         # `BDF`'s conditions in turn or as one batch; None: by the model's size.
         self._bdf_in_turn: bool | None = None
         self.solve_with_sensitivities = forward_sensitivities(
-            lambda linear: self.solve_all(self.ext_of(linear))
+            lambda linear: self.solve_all(self.ext_of(linear)),
+            self._bdf_sensitivities
+            if isinstance(solver, BDF) and solver.control_sensitivities
+            else None,
         )
 
     def with_tolerances(self, rtol: float, atol: float) -> "Objective":
@@ -407,6 +417,16 @@ class Objective:
         assert ys is not None
         return ys, sol.result == diffrax.RESULTS.successful
 
+    def _in_turn(self, n_states: int) -> bool:
+        """Whether `BDF` solves the conditions one after the other (large models:
+        each builds its matrices when it needs them, which one batch, one loop,
+        would do for all whenever one needs them: Bachmann's 36 conditions 247 ms
+        in turn, 399 ms as one batch) or as one batch (small models: their
+        matrices cost less than the loop's kernels, which one batch shares)."""
+        if self._bdf_in_turn is None:
+            return n_states >= BDF_IN_TURN_FROM_STATES
+        return self._bdf_in_turn
+
     def _bdf(
         self, constants: Array, x0: Array, ts: npt.NDArray[np.float64]
     ) -> tuple[Array, Array]:
@@ -429,20 +449,72 @@ class Objective:
                 self._solver.max_order,
             )
 
-        # A large model's conditions one after the other: each solve builds its
-        # Jacobian and Newton matrix when it needs them, which one batch (one loop)
-        # would do for all of them whenever one needs them (Bachmann's 36
-        # conditions: 247 ms in turn, 399 ms as one batch). A small model's
-        # matrices cost less than the loop's kernels, which one batch shares.
-        in_turn = self._bdf_in_turn
-        if in_turn is None:
-            in_turn = x0.shape[1] >= BDF_IN_TURN_FROM_STATES
-        if x0.shape[0] == 1 or not in_turn:
+        if x0.shape[0] == 1 or not self._in_turn(x0.shape[1]):
             return solve(constants, x0)
         ys, ok = jax.lax.map(
             lambda a: [v[0] for v in solve(a[0][None], a[1][None])], (constants, x0)
         )
         return ys, ok
+
+    def _bdf_sensitivities(self, linear: Array) -> tuple[Array, Array, Array]:
+        """Every condition's solution `(C, T, n)`, whether all succeeded, and the
+        solution's derivatives in `linear` `(C, T, n, P)`, by `bdf_solve` with the
+        sensitivities' errors controlled with the state's (as AMICI's CVODES
+        does): each along a parameter scaled by its size (by 1 where it is 0), so
+        that its error weights are the state's, as for a log-scale parameter."""
+        ts = self.tables.union_times
+        n_c = len(self.tables.conditions)
+
+        def pairs(linear: Array) -> tuple[Array, Array]:
+            ext = self.ext_of(linear)
+            both = [self.initial(ext, c) for c in range(n_c)]
+            return jnp.stack([k for k, _ in both]), jnp.stack([x for _, x in both])
+
+        if float(ts[-1]) == 0.0:  # no steps: the initial states' derivatives
+
+            def ys_and_all(v: Array) -> tuple[Array, tuple[Array, Array]]:
+                ys, ok = self.solve_all(self.ext_of(v))
+                return ys, (ys, ok)
+
+            jac, (ys, ok) = jax.jacfwd(ys_and_all, has_aux=True)(linear)
+            return ys, ok, jac
+        constants, x0 = pairs(linear)
+        size = jax.lax.stop_gradient(jnp.abs(linear))
+        size = jnp.where(size > 0, size, 1)
+        dk, dx0 = (
+            jnp.moveaxis(d * size, -1, 0) for d in jax.jacfwd(pairs)(linear)
+        )  # (P, C, k), (P, C, n)
+        rhs = self.formulas.rhs
+
+        def solve(k, x, dk, dx):
+            return bdf_solve(
+                rhs,
+                rhs.jacobian,
+                k,
+                x,
+                ts,
+                self.rtol,
+                self.atol,
+                self._max_steps,
+                self._solver.max_order,
+                tangents=(dk, dx),
+            )
+
+        if n_c == 1 or not self._in_turn(x0.shape[1]):
+            ys, dys, ok = solve(constants, x0, dk, dx0)
+        else:
+
+            def one(a: tuple[Array, ...]) -> tuple[Array, Array, Array]:
+                k, x, dk, dx = a  # one condition's; its P directions
+                ys, dys, ok = solve(k[None], x[None], dk[:, None], dx[:, None])
+                return ys[0], dys[:, 0], ok[0]
+
+            ys, dys, ok = jax.lax.map(
+                one, (constants, x0, jnp.moveaxis(dk, 1, 0), jnp.moveaxis(dx0, 1, 0))
+            )  # (C, T, n), (C, P, T, n), (C,)
+            dys = jnp.moveaxis(dys, 1, 0)
+        jac = jnp.moveaxis(dys, 0, -1) / size  # (C, T, n, P)
+        return ys, jnp.all(ok), jac
 
     # -- the noise model ----------------------------------------------------------
 
