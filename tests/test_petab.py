@@ -971,6 +971,7 @@ def test_bdf_conditions_in_one_batch_or_in_turn_are_the_same_solves(small):
     objective = small._objective
     assert isinstance(objective._solver, sciflat.BDF)
     ext = objective.ext(small.nominal)
+    linear = objective.linear(small.nominal)
     got = {}
     for in_turn in (False, True):
         again = Objective(
@@ -983,9 +984,12 @@ def test_bdf_conditions_in_one_batch_or_in_turn_are_the_same_solves(small):
             objective._max_steps,
         )
         again._bdf_in_turn = in_turn
-        got[in_turn] = jax.jit(again.solve_all)(ext)
+        # and with their sensitivities (in turn by default, whatever the size)
+        jac = jax.jacfwd(lambda v, o=again: o.solve_with_sensitivities(v)[0])
+        got[in_turn] = (*jax.jit(again.solve_all)(ext), jax.jit(jac)(linear))
     assert bool(got[False][1]) and bool(got[True][1])
     np.testing.assert_allclose(got[False][0], got[True][0], rtol=1e-13, atol=1e-15)
+    np.testing.assert_allclose(got[False][2], got[True][2], rtol=1e-12, atol=1e-15)
 
 
 @pytest.mark.slow  # reads the small problem thrice and compiles its gradients
