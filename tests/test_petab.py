@@ -1020,6 +1020,41 @@ def test_bdf_gradients_converge_with_the_tolerances_as_the_values(tmp_path):
     assert errors[True] < 4e-7 < 6e-7 < errors[False]
 
 
+@pytest.mark.slow  # compiles the small problem's sensitivities thrice: seconds
+def test_sensitivities_are_computed_for_the_parameters_the_solves_read(small):
+    # `scale` and `sd` are in the noise model only: their columns are zeros, not
+    # directions carried through the solves; the others are the full Jacobian's.
+    from sciflat._petab.objective import Objective, dynamic_parameters
+
+    objective = small._objective
+    ids = objective.tables.parameters.ids
+    dynamic = dynamic_parameters(objective.tables)
+    assert [ids[i] for i in dynamic] == ["k"]
+    linear = objective.linear(small.nominal)
+    full = jax.jit(jax.jacfwd(lambda v: objective.solve_all(objective.ext_of(v))[0]))(
+        linear
+    )
+    for control in (True, False):
+        again = Objective(
+            objective.tables,
+            objective.formulas,
+            objective._diffrax,
+            sciflat.BDF(control_sensitivities=control),
+            objective.rtol,
+            objective.atol,
+            objective._max_steps,
+        )
+        jac = jax.jit(jax.jacfwd(lambda v, o=again: o.solve_with_sensitivities(v)[0]))(
+            linear
+        )
+        others = [i for i in range(len(ids)) if i not in dynamic]
+        assert others and not np.any(np.asarray(jac[..., others]))
+        # along the state's steps: the full Jacobian's columns; controlled: within
+        # the tolerances (1e-11) of them
+        rtol = 1e-6 if control else 1e-12
+        np.testing.assert_allclose(jac, full, rtol=rtol, atol=1e-12)
+
+
 RAIA = (
     pathlib.Path(__file__).parent
     / "data/petab/Raia_CancerResearch2011/Raia_CancerResearch2011.yaml"

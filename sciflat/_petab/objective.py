@@ -236,7 +236,9 @@ def _formula_rows(
 
 
 def forward_sensitivities(
-    solve: Callable, sensitivities: Callable | None = None
+    solve: Callable,
+    sensitivities: Callable | None = None,
+    dynamic: npt.NDArray[np.int64] | None = None,
 ) -> Callable:
     """`solve(x) -> (ys, ok)` whose derivative is its forward sensitivities: any
     JVP computes the whole Jacobian dys/dx (one tangent per parameter, through the
@@ -244,8 +246,10 @@ def forward_sensitivities(
     transpose of that product (Diffrax's forward mode alone is a `while_loop` that
     JAX cannot transpose), and costs what forward mode costs: for `jax.grad` of a
     scalar, as much as `jax.jacfwd`; for one `jax.jvp`, `len(x)` tangents, not one.
-    `sensitivities(x) -> (ys, ok, dys/dx)`, if given, computes the solution and its
-    Jacobian together (its solves' steps may differ from `solve`'s)."""
+    `dynamic`: the entries of `x` that `solve` depends on at all (the others'
+    columns are zeros, not computed); `sensitivities(x) -> (ys, ok, dys/dx)`, if
+    given, computes the solution and its Jacobian together (its solves' steps may
+    differ from `solve`'s)."""
     fn = jax.custom_jvp(solve)
 
     @fn.defjvp
@@ -254,16 +258,38 @@ def forward_sensitivities(
         if sensitivities is not None:
             ys, ok, jac = sensitivities(x)
         else:
+            index = np.arange(len(x)) if dynamic is None else dynamic
 
-            def ys_and_all(x):
-                ys, ok = solve(x)
+            def ys_and_all(sub):
+                ys, ok = solve(x.at[index].set(sub))
                 return ys, (ys, ok)
 
-            jac, (ys, ok) = jax.jacfwd(ys_and_all, has_aux=True)(x)
+            sub_jac, (ys, ok) = jax.jacfwd(ys_and_all, has_aux=True)(x[index])
+            jac = columns(sub_jac, index, len(x))
         dys = jnp.tensordot(jac, dx, axes=1)
         return (ys, ok), (dys, np.zeros(jnp.shape(ok), jax.dtypes.float0))
 
     return fn
+
+
+def columns(sub: Array, index: npt.NDArray[np.int64], size: int) -> Array:
+    """A Jacobian of `size` columns (the last axis) from those at `index`, zeros
+    elsewhere."""
+    if len(index) == size:
+        return sub
+    full = jnp.zeros((*sub.shape[:-1], size), sub.dtype)
+    return full.at[..., index].set(sub)
+
+
+def dynamic_parameters(tables: Tables) -> npt.NDArray[np.int64]:
+    """The estimated parameters (their positions in `linear`) that the solves
+    depend on: those a condition's constants or initial states read. The others
+    (noise, observable parameters) leave the simulation as it is."""
+    read = set(np.concatenate(tables.constant_index).tolist())
+    for override in tables.x0_override:
+        read |= set(override.values())
+    where = tables.parameters.estimated
+    return np.array([i for i, q in enumerate(where) if int(q) in read], np.int64)
 
 
 class Objective:
@@ -288,11 +314,13 @@ class Objective:
         self._constant_index = np.stack(tables.constant_index)
         # `BDF`'s conditions in turn or as one batch; None: by the model's size.
         self._bdf_in_turn: bool | None = None
+        self._dynamic = dynamic_parameters(tables)
         self.solve_with_sensitivities = forward_sensitivities(
             lambda linear: self.solve_all(self.ext_of(linear)),
             self._bdf_sensitivities
             if isinstance(solver, BDF) and solver.control_sensitivities
             else None,
+            self._dynamic,
         )
 
     def with_tolerances(self, rtol: float, atol: float) -> "Objective":
@@ -475,20 +503,24 @@ class Objective:
             both = [self.initial(ext, c) for c in range(n_c)]
             return jnp.stack([k for k, _ in both]), jnp.stack([x for _, x in both])
 
-        if float(ts[-1]) == 0.0:  # no steps: the initial states' derivatives
+        index = self._dynamic
+        if float(ts[-1]) == 0.0 or len(index) == 0:  # no steps, or no directions
 
-            def ys_and_all(v: Array) -> tuple[Array, tuple[Array, Array]]:
-                ys, ok = self.solve_all(self.ext_of(v))
+            def ys_and_all(sub: Array) -> tuple[Array, tuple[Array, Array]]:
+                ys, ok = self.solve_all(self.ext_of(linear.at[index].set(sub)))
                 return ys, (ys, ok)
 
-            jac, (ys, ok) = jax.jacfwd(ys_and_all, has_aux=True)(linear)
-            return ys, ok, jac
+            sub, (ys, ok) = jax.jacfwd(ys_and_all, has_aux=True)(linear[index])
+            return ys, ok, columns(sub, index, len(linear))
         constants, x0 = pairs(linear)
-        size = jax.lax.stop_gradient(jnp.abs(linear))
+        size = jax.lax.stop_gradient(jnp.abs(linear[index]))
         size = jnp.where(size > 0, size, 1)
         dk, dx0 = (
-            jnp.moveaxis(d * size, -1, 0) for d in jax.jacfwd(pairs)(linear)
-        )  # (P, C, k), (P, C, n)
+            jnp.moveaxis(d * size, -1, 0)
+            for d in jax.jacfwd(lambda sub: pairs(linear.at[index].set(sub)))(
+                linear[index]
+            )
+        )  # (P, C, k), (P, C, n): the dynamic parameters' directions
         rhs = self.formulas.rhs
 
         def solve(k, x, dk, dx):
@@ -519,7 +551,7 @@ class Objective:
             )  # (C, T, n), (C, P, T, n), (C,)
             dys = jnp.moveaxis(dys, 1, 0)
         jac = jnp.moveaxis(dys, 0, -1) / size  # (C, T, n, P)
-        return ys, jnp.all(ok), jac
+        return ys, jnp.all(ok), columns(jac, index, len(linear))
 
     # -- the noise model ----------------------------------------------------------
 
