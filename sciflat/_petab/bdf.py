@@ -76,7 +76,7 @@ class BDF:
       55 %), and the value they return with a gradient is within the tolerances of
       `nll`'s, not the same bits. `False`: the derivatives along the state's steps,
       their error not controlled (faster; Fiedler et al. 2016's gradient 1e-3 off
-      its converged value at `rtol=1e-10`, against 7e-5).
+      AMICI's converged one at `rtol=1e-10`, against 8e-5).
     """
 
     max_order: int = 5
