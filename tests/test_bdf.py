@@ -204,6 +204,13 @@ def test_bdf_options_are_checked():
     for bad in (0, 6, 2.0):
         with pytest.raises(ValueError, match="max_order"):
             sciflat.BDF(max_order=bad)
-    assert sciflat.BDF().control_sensitivities
+    # controlled by default up to `CONTROL_UP_TO` directions, else as asked
+    from sciflat._petab.bdf import CONTROL_UP_TO
+
+    assert sciflat.BDF().control_sensitivities is None
+    assert sciflat.BDF().controls(CONTROL_UP_TO)
+    assert not sciflat.BDF().controls(CONTROL_UP_TO + 1)
+    assert sciflat.BDF(control_sensitivities=True).controls(10**4)
+    assert not sciflat.BDF(control_sensitivities=False).controls(1)
     with pytest.raises(TypeError, match="control_sensitivities"):
         sciflat.BDF(control_sensitivities=1)  # type: ignore[arg-type]

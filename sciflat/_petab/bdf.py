@@ -50,6 +50,10 @@ _MAX_REJECTED = 30
 # SciPy chooses from the estimates alone: Crauste's llh at rtol 1e-8 was 1.9e-6 off
 # its converged value, 4e-7 with these, for 10-30 % more steps.
 _BIAS = (6.0, 6.0, 10.0)
+# The most directions (parameters the simulation reads) whose errors `BDF` controls
+# by default: beyond, the steps the control asks multiply (Lang et al. 2024's 261:
+# its gradient's solve more than 13 times as long).
+CONTROL_UP_TO = 100
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,20 +80,34 @@ class BDF:
       55 %), and the value they return with a gradient is within the tolerances of
       `nll`'s, not the same bits. `False`: the derivatives along the state's steps,
       their error not controlled (faster; Fiedler et al. 2016's gradient 1e-3 off
-      AMICI's converged one at `rtol=1e-10`, against 8e-5).
+      AMICI's converged one at `rtol=1e-10`, against 8e-5). `None` (the default):
+      controlled where the simulation reads at most `CONTROL_UP_TO` (100) of the
+      estimated parameters; with more, along the state's steps (Lang et al. 2024,
+      261 of them: its gradient took 28 s along the state's steps, and more than
+      6 minutes controlled).
     """
 
     max_order: int = 5
-    control_sensitivities: bool = True
+    control_sensitivities: bool | None = None
 
     def __post_init__(self):
         if not isinstance(self.max_order, int) or not 1 <= self.max_order <= 5:
             raise ValueError(f"`max_order` must be 1 to 5, got {self.max_order!r}.")
-        if not isinstance(self.control_sensitivities, bool):
+        if not (
+            self.control_sensitivities is None
+            or isinstance(self.control_sensitivities, bool)
+        ):
             raise TypeError(
-                "`control_sensitivities` must be True or False, got "
+                "`control_sensitivities` must be None, True or False, got "
                 f"{self.control_sensitivities!r}."
             )
+
+    def controls(self, n_directions: int) -> bool:
+        """Whether the sensitivities' errors are controlled, for a simulation that
+        reads `n_directions` of the estimated parameters."""
+        if self.control_sensitivities is None:
+            return n_directions <= CONTROL_UP_TO
+        return self.control_sensitivities
 
 
 def _coefficients(dtype: Any) -> tuple[Any, Any, Any]:

@@ -318,7 +318,7 @@ class Objective:
         self.solve_with_sensitivities = forward_sensitivities(
             lambda linear: self.solve_all(self.ext_of(linear)),
             self._bdf_sensitivities
-            if isinstance(solver, BDF) and solver.control_sensitivities
+            if isinstance(solver, BDF) and solver.controls(len(self._dynamic))
             else None,
             self._dynamic,
         )
