@@ -315,11 +315,15 @@ class Objective:
         # `BDF`'s conditions in turn or as one batch; None: by the model's size.
         self._bdf_in_turn: bool | None = None
         self._dynamic = dynamic_parameters(tables)
+        controlled = (
+            isinstance(solver, BDF)
+            and solver.controls(len(self._dynamic))
+            and len(self._dynamic) > 0
+            and float(tables.union_times[-1]) > 0  # else no steps to choose
+        )
         self.solve_with_sensitivities = forward_sensitivities(
             lambda linear: self.solve_all(self.ext_of(linear)),
-            self._bdf_sensitivities
-            if isinstance(solver, BDF) and solver.controls(len(self._dynamic))
-            else None,
+            self._bdf_sensitivities if controlled else None,
             self._dynamic,
         )
 
@@ -393,15 +397,18 @@ class Objective:
         constants, x0 = self.initial(ext, c)
         return self.integrate(constants, x0, ts)
 
+    def initial_all(self, ext: Array) -> tuple[Array, Array]:
+        """Every condition's constants and initial states: `(C, k)`, `(C, n)`."""
+        pairs = [self.initial(ext, c) for c in range(len(self.tables.conditions))]
+        return jnp.stack([k for k, _ in pairs]), jnp.stack([x for _, x in pairs])
+
     def solve_all(self, ext: Array) -> tuple[Array, Array]:
         """Every condition at the union of the measurement times: `(C, T, n)`."""
         ts = self.tables.union_times
         if len(self.tables.conditions) == 1 and not isinstance(self._solver, BDF):
             ys, ok = self.solve(ext, 0, ts)
             return ys[None], ok
-        pairs = [self.initial(ext, c) for c in range(len(self.tables.conditions))]
-        constants = jnp.stack([k for k, _ in pairs])
-        x0 = jnp.stack([x for _, x in pairs])
+        constants, x0 = self.initial_all(ext)
         if isinstance(self._solver, BDF):
             ys, ok = self._bdf(constants, x0, ts)
         else:
@@ -460,6 +467,24 @@ class Objective:
             return self._bdf_in_turn
         return derivatives or n_states >= BDF_IN_TURN_FROM_STATES
 
+    def _bdf_solve(
+        self, constants: Array, x0: Array, ts: npt.NDArray[np.float64], **kw: Any
+    ) -> Any:
+        """`bdf_solve` of a batch of conditions with this problem's settings."""
+        rhs = self.formulas.rhs
+        return bdf_solve(
+            rhs,
+            rhs.jacobian,
+            constants,
+            x0,
+            ts,
+            self.rtol,
+            self.atol,
+            self._max_steps,
+            self._solver.max_order,
+            **kw,
+        )
+
     def _bdf(
         self, constants: Array, x0: Array, ts: npt.NDArray[np.float64]
     ) -> tuple[Array, Array]:
@@ -467,21 +492,7 @@ class Objective:
         if float(ts[-1]) == 0.0:
             shape = (x0.shape[0], len(ts), x0.shape[1])
             return jnp.broadcast_to(x0[:, None], shape), jnp.ones(x0.shape[0], bool)
-        rhs = self.formulas.rhs
-
-        def solve(constants: Array, x0: Array) -> tuple[Array, Array]:
-            return bdf_solve(
-                rhs,
-                rhs.jacobian,
-                constants,
-                x0,
-                ts,
-                self.rtol,
-                self.atol,
-                self._max_steps,
-                self._solver.max_order,
-            )
-
+        solve = ft.partial(self._bdf_solve, ts=ts)
         if x0.shape[0] == 1 or not self._in_turn(x0.shape[1]):
             return solve(constants, x0)
         ys, ok = jax.lax.map(
@@ -495,49 +506,21 @@ class Objective:
         sensitivities' errors controlled with the state's (as AMICI's CVODES
         does): each along a parameter scaled by its size (by 1 where it is 0), so
         that its error weights are the state's, as for a log-scale parameter."""
-        ts = self.tables.union_times
-        n_c = len(self.tables.conditions)
+        ts, index = self.tables.union_times, self._dynamic
 
-        def pairs(linear: Array) -> tuple[Array, Array]:
-            ext = self.ext_of(linear)
-            both = [self.initial(ext, c) for c in range(n_c)]
-            return jnp.stack([k for k, _ in both]), jnp.stack([x for _, x in both])
+        def pairs(sub: Array) -> tuple[Array, Array]:
+            return self.initial_all(self.ext_of(linear.at[index].set(sub)))
 
-        index = self._dynamic
-        if float(ts[-1]) == 0.0 or len(index) == 0:  # no steps, or no directions
-
-            def ys_and_all(sub: Array) -> tuple[Array, tuple[Array, Array]]:
-                ys, ok = self.solve_all(self.ext_of(linear.at[index].set(sub)))
-                return ys, (ys, ok)
-
-            sub, (ys, ok) = jax.jacfwd(ys_and_all, has_aux=True)(linear[index])
-            return ys, ok, columns(sub, index, len(linear))
-        constants, x0 = pairs(linear)
+        (constants, x0), directions = jax.linearize(pairs, linear[index])
         size = jax.lax.stop_gradient(jnp.abs(linear[index]))
         size = jnp.where(size > 0, size, 1)
-        dk, dx0 = (
-            jnp.moveaxis(d * size, -1, 0)
-            for d in jax.jacfwd(lambda sub: pairs(linear.at[index].set(sub)))(
-                linear[index]
-            )
-        )  # (P, C, k), (P, C, n): the dynamic parameters' directions
-        rhs = self.formulas.rhs
+        # (P, C, k), (P, C, n): the dynamic parameters' directions, scaled
+        dk, dx0 = jax.vmap(directions)(jnp.diag(size))
 
         def solve(k, x, dk, dx):
-            return bdf_solve(
-                rhs,
-                rhs.jacobian,
-                k,
-                x,
-                ts,
-                self.rtol,
-                self.atol,
-                self._max_steps,
-                self._solver.max_order,
-                tangents=(dk, dx),
-            )
+            return self._bdf_solve(k, x, ts, tangents=(dk, dx))
 
-        if n_c == 1 or not self._in_turn(x0.shape[1], derivatives=True):
+        if len(x0) == 1 or not self._in_turn(x0.shape[1], derivatives=True):
             ys, dys, ok = solve(constants, x0, dk, dx0)
         else:
 
