@@ -7,8 +7,9 @@ of steps of each condition's solve (accepted and rejected), and the error of the
 against sciflat's own solve at rtol 1e-12, atol 1e-14 (which agrees with AMICI's
 converged value to 1e-11 on these problems). Variants:
 
-- `Kvaerno5, StageChord`: sciflat's default (rtol 1e-8, atol 1e-10): the chord
-  method, converged when its correction of the state is within the step's tolerance;
+- `Kvaerno5, StageChord`: sciflat's default before `BDF` (rtol 1e-8, atol 1e-10):
+  the chord method, converged when its correction of the state is within the step's
+  tolerance;
 - `Kvaerno5, StageChord, jacfwd and LU (before)`: the default as it was, the
   Jacobian of the right-hand side by `jax.jacfwd` and the chord's linear solves by
   Lineax's LU (now: the analytic Jacobian, products with the inverse);
@@ -27,10 +28,14 @@ converged value to 1e-11 on these problems). Variants:
 - `Kvaerno5, chord`: Diffrax's default root finder (`VeryChord`: the Jacobian kept
   over the iterations of a stage, converged in the vector field's scale);
 - `Kvaerno5, rtol 1e-6`: looser tolerances (atol 1e-8);
+- `BDF (default), rtol 1e-6`: the default solver at those tolerances;
 - `Tsit5`: explicit, for the problems that are not stiff;
-- `conditions in turn`: the default solver, the conditions solved one after the
-  other (`jax.lax.map`) rather than in one `vmap` (where every condition takes as many
-  steps as the slowest).
+- `Kvaerno5, conditions in turn`: `Kvaerno5, StageChord` with the conditions solved
+  one after the other (`jax.lax.map`) rather than in one `vmap` (where every
+  condition takes as many steps as the slowest).
+
+`--variants` takes labels (each selects itself) or prefixes of labels (each selects
+every label it begins).
 
     python benchmarks/bench_petab_solvers.py
     python benchmarks/bench_petab_solvers.py --problems Boehm_JProteomeRes2014 --repeats 5
@@ -65,8 +70,10 @@ def _newton(solver: type, rtol: float, atol: float) -> Any:
     return solver(root_finder=optimistix.Newton(rtol=rtol, atol=atol))
 
 
+_KVAERNO5 = diffrax.Kvaerno5(root_finder=StageChord(rtol=1e-8, atol=1e-10))
+
 VARIANTS: dict[str, dict[str, Any]] = {
-    "Kvaerno5, StageChord (default)": {},
+    "Kvaerno5, StageChord": {"solver": _KVAERNO5},
     "Kvaerno5, StageChord, jacfwd and LU (before)": {
         "solver": diffrax.Kvaerno5(
             root_finder=StageChord(
@@ -84,9 +91,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "Kvaerno4, Newton": {"solver": _newton(diffrax.Kvaerno4, 1e-8, 1e-10)},
     "Kvaerno3, Newton": {"solver": _newton(diffrax.Kvaerno3, 1e-8, 1e-10)},
     "Kvaerno5, chord": {"solver": diffrax.Kvaerno5()},
-    "Kvaerno5, rtol 1e-6": {"rtol": 1e-6, "atol": 1e-8},
+    "Kvaerno5, rtol 1e-6": {
+        "solver": diffrax.Kvaerno5(root_finder=StageChord(rtol=1e-6, atol=1e-8)),
+        "rtol": 1e-6,
+        "atol": 1e-8,
+    },
+    "BDF (default), rtol 1e-6": {"rtol": 1e-6, "atol": 1e-8},
     "Tsit5 (max_steps 20000)": {"solver": diffrax.Tsit5(), "max_steps": 20_000},
-    "conditions in turn": {"in_turn": True},
+    "Kvaerno5, conditions in turn": {"solver": _KVAERNO5, "in_turn": True},
 }
 
 
@@ -171,7 +183,9 @@ def main(
         ref_llh = float(ref.llh(ref.nominal))
         rows, fns = {}, {}
         for label, options in VARIANTS.items():
-            if variants and not any(label.startswith(v) for v in variants):
+            if variants and not any(
+                label == v if v in VARIANTS else label.startswith(v) for v in variants
+            ):
                 continue
             options = dict(options)
             in_turn = options.pop("in_turn", False)

@@ -225,9 +225,6 @@ def bdf_solve(
     def norm(x):  # root mean square over the state, per condition
         return jnp.sqrt(jnp.mean(x**2, axis=-1))
 
-    def rows_at(d, i):  # d: (C, 8, n), i: (C,) -> (C, n)
-        return jnp.take_along_axis(d, i[:, None, None], axis=1)[:, 0]
-
     change = jax.vmap(_change)
 
     def start(constants, y0):
