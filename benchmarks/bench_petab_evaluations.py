@@ -2,8 +2,8 @@
 (Fides) asks for at each point.
 
 sciflat: the residuals with their Jacobian from one compiled call (what
-`least_squares(method="fides")` calls), with the default solver (`Kvaerno5`) and with
-`sciflat.Rodas5P()`; pyPESTO + AMICI: its PEtab objective's value, gradient and
+`least_squares(method="fides")` calls), with the default solver (`sciflat.BDF()`)
+and with `sciflat.Rodas5P()`; pyPESTO + AMICI: its PEtab objective's value, gradient and
 Fisher information matrix (`sensi_orders=(0, 1, 2)`, forward sensitivities in
 AMICI's C++, what pyPESTO's Fides asks for). At the nominal parameters and at the
 first starts of `problem.sample_starts(n, seed=0)`, one process, interleaved, medians
@@ -57,16 +57,16 @@ def _sciflat_both(yaml: str, solver):
 
 
 def main(yaml: str, starts: int, repeats: int, folder: str) -> None:
-    problem, kvaerno = _sciflat_both(yaml, None)
+    problem, default = _sciflat_both(yaml, None)
     _, rodas = _sciflat_both(yaml, sciflat.Rodas5P())
     amici = _amici_objective(yaml, folder)
     points = [problem.nominal, *problem.sample_starts(starts, seed=0)]
-    names = ("sciflat, Kvaerno5", "sciflat, Rodas5P", "pyPESTO + AMICI")
+    names = ("sciflat, BDF (default)", "sciflat, Rodas5P", "pyPESTO + AMICI")
     print(f"| point | {' | '.join(names)} |")
     print("|---|" + "---:|" * len(names))
     for i, point in enumerate(points):
         calls = dict(
-            zip(names, (kvaerno(point), rodas(point), amici(point)), strict=True)
+            zip(names, (default(point), rodas(point), amici(point)), strict=True)
         )
         for call in calls.values():  # compiles; AMICI's first call loads
             call()

@@ -30,7 +30,7 @@ Variants:
 - `hier-dogbox`, `hier-trf`, `hier-fides`: the same on
   `problem.hierarchical().residuals` (the 3 σ in closed form, 6 outer parameters).
 - any of these with `+rodas5p` (e.g. `fides+rodas5p`): the problem solved with
-  `solver=sciflat.Rodas5P()` instead of the default `Kvaerno5`.
+  `solver=sciflat.Rodas5P()` instead of the default (`sciflat.BDF()`).
 - `pypesto-fides`, `pypesto-trf`: pyPESTO's PEtab importer with AMICI (its defaults),
   Fides (its defaults) or SciPy's `ls_trf`; a benchmark-only dependency.
 
