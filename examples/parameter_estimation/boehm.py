@@ -39,6 +39,7 @@ YAML = str(sciflat.petab_benchmark("Boehm_JProteomeRes2014"))  # ships with scif
 OUT = os.path.join(HERE, "outputs")
 AMICI_LLH = -138.22199693517703  # AMICI/SUNDIALS at the published parameters
 TARGET = -138.2220  # "reached the published optimum": llh >= this
+AT_BOUND = 1e-3  # a parameter this close to a bound (log10 scale) is on it
 
 
 def fit_all(hier, starts, ftol, log=False):
@@ -157,9 +158,15 @@ def main(
     assert unc is not None
     stderr = dict(zip(unc.names, unc.stderr, strict=True))
     print("best fit (log10 scale) ± standard error, from the Hessian of -log L:")
+    lower, upper = problem.bounds
     for k in problem.parameter_ids:
         value = float(best.model[k])
-        print(f"  {k:22s} {value:9.4f} ± {stderr[f'[{k!r}]']:.4f}")
+        line = f"  {k:22s} {value:9.4f} ± {stderr[f'[{k!r}]']:.4g}"
+        # On a bound the Hessian's standard error says nothing: the data do not
+        # determine the parameter there (the optimum has two such rates).
+        side = "lower" if value - lower[k] < AT_BOUND else None
+        side = "upper" if upper[k] - value < AT_BOUND else side
+        print(line + (f"  (on its {side} bound: not determined)" if side else ""))
     corr = unc.correlation
     i, j = np.unravel_index(np.nanargmax(np.abs(corr - np.eye(len(corr)))), corr.shape)
     print(
