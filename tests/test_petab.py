@@ -994,10 +994,10 @@ def test_bdf_conditions_in_one_batch_or_in_turn_are_the_same_solves(small):
 
 @pytest.mark.slow  # reads the small problem thrice and compiles its gradients
 def test_bdf_gradients_converge_with_the_tolerances_as_the_values(tmp_path):
-    # BDF's `control_sensitivities` (the default): the solves that give a gradient
-    # choose their steps by the sensitivities' errors too, as AMICI's do. At rtol
-    # 1e-6 the gradient is 1.2e-7 off its converged value with them, 1.2e-6 along
-    # the state's steps alone.
+    # BDF's `control_sensitivities` (the default, up to 100 directions): the solves
+    # that give a gradient choose their steps by the sensitivities' errors too, as
+    # AMICI's do. At rtol 1e-6 the gradient is 1.2e-7 off its converged value with
+    # them, 1.2e-6 along the state's steps alone.
     path = small_problem(tmp_path / "small")
     tight = sciflat.petab_problem(path, rtol=1e-13, atol=1e-15)
     p, re = sciflat.destructure(tight.nominal, dtype=jnp.float64)
@@ -1020,10 +1020,13 @@ def test_bdf_gradients_converge_with_the_tolerances_as_the_values(tmp_path):
     assert errors[True] < 4e-7 < 6e-7 < errors[False]
 
 
-@pytest.mark.slow  # compiles the small problem's sensitivities thrice: seconds
-def test_sensitivities_are_computed_for_the_parameters_the_solves_read(small):
+@pytest.mark.slow  # compiles the small problem's sensitivities 5 times: seconds
+def test_sensitivities_are_computed_for_the_parameters_the_solves_read(
+    small, monkeypatch
+):
     # `scale` and `sd` are in the noise model only: their columns are zeros, not
     # directions carried through the solves; the others are the full Jacobian's.
+    from sciflat._petab import bdf as bdf_module
     from sciflat._petab.objective import Objective, dynamic_parameters
 
     objective = small._objective
@@ -1034,25 +1037,34 @@ def test_sensitivities_are_computed_for_the_parameters_the_solves_read(small):
     full = jax.jit(jax.jacfwd(lambda v: objective.solve_all(objective.ext_of(v))[0]))(
         linear
     )
-    for control in (True, False):
+
+    def sensitivities(bdf):
         again = Objective(
             objective.tables,
             objective.formulas,
             objective._diffrax,
-            sciflat.BDF(control_sensitivities=control),
+            bdf,
             objective.rtol,
             objective.atol,
             objective._max_steps,
         )
-        jac = jax.jit(jax.jacfwd(lambda v, o=again: o.solve_with_sensitivities(v)[0]))(
-            linear
-        )
+        f = lambda v: again.solve_with_sensitivities(v)[0]
+        return np.asarray(jax.jit(jax.jacfwd(f))(linear))
+
+    jacs = {}
+    for control in (True, False):
+        jac = jacs[control] = sensitivities(sciflat.BDF(control_sensitivities=control))
         others = [i for i in range(len(ids)) if i not in dynamic]
-        assert others and not np.any(np.asarray(jac[..., others]))
+        assert others and not np.any(jac[..., others])
         # along the state's steps: the full Jacobian's columns; controlled: within
         # the tolerances (1e-11) of them
         rtol = 1e-6 if control else 1e-12
         np.testing.assert_allclose(jac, full, rtol=rtol, atol=1e-12)
+    # The default: controlled up to `CONTROL_UP_TO` directions, along the state's
+    # steps beyond (here 1 direction, so the limit is lowered to 0 to see it).
+    np.testing.assert_array_equal(sensitivities(sciflat.BDF()), jacs[True])
+    monkeypatch.setattr(bdf_module, "CONTROL_UP_TO", 0)
+    np.testing.assert_array_equal(sensitivities(sciflat.BDF()), jacs[False])
 
 
 RAIA = (
