@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend.core import jaxprs_in_params
 
 import sciflat
 from helpers import foreign_float_ops, robertson, tight
@@ -196,6 +197,66 @@ def test_bdf_computes_in_the_states_dtype(x64):
         ys[0, -1], tight(robertson, jnp.array([1.0, 0.0, 0.0]), [10.0])[-1], rtol=1e-3
     )
     assert foreign_float_ops(jax.make_jaxpr(fn)(k, y0), jnp.float32) == []
+
+
+def _inner_loops(jaxpr) -> list:
+    """The `while` loops of a jaxpr, not those inside them."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "while":
+            found.append(eqn)
+        else:
+            for sub in jaxprs_in_params(eqn.params):
+                found += _inner_loops(sub)
+    return found
+
+
+def _height(loop) -> int:
+    """0 for a loop with no loop inside it, else 1 + the largest of theirs."""
+    inner = _inner_loops(loop.params["body_jaxpr"].jaxpr)
+    return max((1 + _height(e) for e in inner), default=0)
+
+
+def _all_loops(jaxpr) -> list:
+    out = []
+    for eqn in _inner_loops(jaxpr):
+        out += [eqn, *_all_loops(eqn.params["body_jaxpr"].jaxpr)]
+    return out
+
+
+def _largest(jaxpr) -> int:
+    """The largest array (bytes) a jaxpr and the jaxprs inside it compute or read."""
+    sizes = [0]
+    for eqn in jaxpr.eqns:
+        for v in [*eqn.invars, *eqn.outvars]:
+            aval = getattr(v, "aval", None)
+            if hasattr(aval, "shape"):
+                sizes.append(int(np.prod(aval.shape)) * aval.dtype.itemsize)
+        for sub in jaxprs_in_params(eqn.params):
+            sizes.append(_largest(sub))
+    return max(sizes)
+
+
+def test_a_small_models_steps_touch_no_array_above_512_bytes(x64):
+    # XLA:CPU runs a loop's body kernel after kernel on the calling thread only where
+    # every buffer the body touches is at most 512 bytes, and hands its kernels to a
+    # pool of threads otherwise (a small model's solve 1.7 times as long). The
+    # outputs (`T` times `n`) are written between runs of the attempts' loop, so that
+    # for 8 species the loop around Newton's iteration holds nothing larger.
+    def chain(t, y, k):
+        return k[0] * (jnp.roll(y, 1) - y) - 0.1 * y**2
+
+    y0 = jnp.linspace(1.0, 2.0, 8)[None]
+    ts = np.linspace(0.0, 10.0, 60)
+    fn = lambda k, y0: solve(chain, k, y0, ts)
+    ys, ok, _ = jax.jit(fn)(jnp.ones((1, 1)), y0)
+    assert bool(ok[0]) and ys.shape == (1, 60, 8)
+    loops = _all_loops(jax.make_jaxpr(fn)(jnp.ones((1, 1)), y0).jaxpr)
+    # The attempts' loop: the one around Newton's iteration (which holds none).
+    attempts = [eqn for eqn in loops if _height(eqn) == 1]
+    assert len(attempts) == 1
+    for eqn in attempts:
+        assert _largest(eqn.params["body_jaxpr"].jaxpr) <= 512
 
 
 def test_bdf_options_are_checked():

@@ -271,6 +271,10 @@ def bdf_solve(
             c_lu=jnp.full((n_cond,), jnp.inf, dtype),  # no Newton matrix yet
             crate=jnp.ones((n_cond,), dtype),
             k_out=k_out,
+            pending=jnp.zeros((n_cond,), bool),
+            t_acc=t0,
+            h_acc=h,
+            order_acc=jnp.ones((n_cond,), jnp.int32),
             done=k_out >= n_out,
             failed=jnp.zeros((n_cond,), bool),
             rejected=jnp.zeros((n_cond,), jnp.int32),
@@ -451,12 +455,13 @@ def bdf_solve(
             iterations=iterations,
         )
 
-    def finish(s, tr, extra, dd, ys, corr):
+    def finish(s, tr, extra, dd, corr):
         """The rest of an attempt, from the trial `tr` and its correction `corr`:
-        accepted or rejected, the outputs it passed, the next step and order; the
-        new `(d, ys)` and the rest of the state. `extra`: None, or the
-        directions' error estimates at the order below, at and above (each `(C,)`),
-        which the state's are raised to."""
+        accepted or rejected, the next step and order; the new differences `d`,
+        those of the accepted step before they are rescaled to the next (`d_acc`,
+        for the outputs: `passed`), and the rest of the state. `extra`: None, or
+        the directions' error estimates at the order below, at and above (each
+        `(C,)`), which the state's are raised to."""
         live, t_new, y_new = tr["live"], tr["t_new"], tr["y_new"]
         converged, iterations = tr["converged"], tr["iterations"]
         order, hh, t = s["order"], s["h"], s["t"]
@@ -491,37 +496,14 @@ def bdf_solve(
         # Accepted: the differences updated.
         dd = jnp.where(accepted[:, None, None], _accepted(dd, corr, order), dd)
 
-        # The measurement times this step passed, from its polynomial.
-        def out_cond(os):
-            return jnp.any(os["want"])
-
-        def out_body(os):
-            k_out, ys_ = os["k_out"], os["ys"]
-            tk = ts_j[jnp.minimum(k_out, n_out - 1)]
-            j = jnp.arange(1, 6, dtype=dtype)
-            shift = t_new[:, None] - hh[:, None] * (j - 1)
-            x = (tk[:, None] - shift) / (hh[:, None] * j)
-            p = jnp.cumprod(x, axis=1)
-            p = jnp.where(j[None, :] <= order[:, None].astype(dtype), p, 0)
-            y_at = dd[:, 0] + jnp.einsum("ck,ckn->cn", p, dd[:, 1:6])
-            y_at = jnp.where((tk >= t_new)[:, None], dd[:, 0], y_at)
-            want = os["want"]
-            onehot = (jnp.arange(n_out)[None, :] == k_out[:, None]) & want[:, None]
-            ys_ = jnp.where(onehot[:, :, None], y_at[:, None, :], ys_)
-            k_out = k_out + want.astype(jnp.int32)
-            next_want = (
-                want & (k_out < n_out) & (ts_j[jnp.minimum(k_out, n_out - 1)] <= t_new)
-            )
-            return dict(k_out=k_out, ys=ys_, want=next_want)
-
-        first_want = (
+        # The measurement times this step passed: written by `passed` once the
+        # loop of attempts stops for them.
+        pending = (
             accepted
             & (s["k_out"] < n_out)
             & (ts_j[jnp.minimum(s["k_out"], n_out - 1)] <= t_new)
         )
-        os = jax.lax.while_loop(
-            out_cond, out_body, dict(k_out=s["k_out"], ys=ys, want=first_want)
-        )
+        d_acc = dd
 
         # Accepted: after `order + 1` steps of one size, a new order and step size
         # (SciPy's choice, from the error estimates of the orders around).
@@ -583,7 +565,11 @@ def bdf_solve(
             inverse=tr["inverse"],
             c_lu=tr["c_lu"],
             crate=tr["crate"],
-            k_out=os["k_out"],
+            k_out=s["k_out"],
+            pending=pending,
+            t_acc=t_new,
+            h_acc=hh,
+            order_acc=order,
             done=done,
             failed=failed,
             rejected=rejected,
@@ -600,21 +586,70 @@ def bdf_solve(
                 axis=1,
             ).astype(jnp.int32),
         )
-        return (dd, os["ys"]), rest
+        return (dd, d_acc), rest
+
+    def passed(s, d_acc, ys):
+        """The outputs at the measurement times the last accepted step passed
+        (`s["pending"]`), from its polynomial (its differences `d_acc`): the new
+        `ys`, and the next measurement of each condition `k_out`."""
+        t_new, hh, order = s["t_acc"], s["h_acc"], s["order_acc"]
+
+        def out_cond(os):
+            return jnp.any(os["want"])
+
+        def out_body(os):
+            k_out, ys_ = os["k_out"], os["ys"]
+            tk = ts_j[jnp.minimum(k_out, n_out - 1)]
+            j = jnp.arange(1, 6, dtype=dtype)
+            shift = t_new[:, None] - hh[:, None] * (j - 1)
+            x = (tk[:, None] - shift) / (hh[:, None] * j)
+            p = jnp.cumprod(x, axis=1)
+            p = jnp.where(j[None, :] <= order[:, None].astype(dtype), p, 0)
+            y_at = d_acc[:, 0] + jnp.einsum("ck,ckn->cn", p, d_acc[:, 1:6])
+            y_at = jnp.where((tk >= t_new)[:, None], d_acc[:, 0], y_at)
+            want = os["want"]
+            onehot = (jnp.arange(n_out)[None, :] == k_out[:, None]) & want[:, None]
+            ys_ = jnp.where(onehot[:, :, None], y_at[:, None, :], ys_)
+            k_out = k_out + want.astype(jnp.int32)
+            next_want = (
+                want & (k_out < n_out) & (ts_j[jnp.minimum(k_out, n_out - 1)] <= t_new)
+            )
+            return dict(k_out=k_out, ys=ys_, want=next_want)
+
+        os = jax.lax.while_loop(
+            out_cond, out_body, dict(k_out=s["k_out"], ys=ys, want=s["pending"])
+        )
+        return os["ys"], os["k_out"]
 
     def going(s):
         return jnp.any(~s["done"]) & (s["attempts"] < max_steps)
 
+    def stepping(s):
+        return going(s) & ~jnp.any(s["pending"])
+
+    # Two loops: the attempts (the inner loop) until a step passes a measurement
+    # time, then that step's outputs (`passed`). The attempts' loop then carries no
+    # output: XLA:CPU runs a loop body kernel after kernel on the calling thread
+    # where all its buffers are at most 512 bytes (a small model's), and hands
+    # ready kernels to its pool otherwise (Elowitz's `nll` 1.7 times as long).
     if tangents is None:
 
         def attempt(s):
             (_, corr), tr = trial(s, s["d"], constants)
-            (d, ys), rest = finish(s, tr, None, s["d"], s["ys"], corr)
-            return dict(rest, d=d, ys=ys)
+            (d, d_acc), rest = finish(s, tr, None, s["d"], corr)
+            return dict(rest, d=d, d_acc=d_acc)
+
+        def steps(carry):
+            s, ys = carry
+            s = jax.lax.while_loop(stepping, attempt, s)
+            ys, k_out = passed(s, s["d_acc"], ys)
+            return dict(s, k_out=k_out, pending=jnp.zeros_like(s["pending"])), ys
 
         (d, ys), rest = start(constants, y0)
-        state = jax.lax.while_loop(going, attempt, dict(rest, d=d, ys=ys))
-        out = (state["ys"],)
+        state, ys = jax.lax.while_loop(
+            lambda c: going(c[0]), steps, (dict(rest, d=d, d_acc=d), ys)
+        )
+        out = (ys,)
     else:
         # Each direction's derivative carried beside the state (P of them, as
         # `jax.jvp` under `jax.vmap` computes them, the state's work done once),
@@ -640,23 +675,38 @@ def bdf_solve(
             return tuple(sg(jnp.max(e, axis=0)) for e in (m, now, p))
 
         def attempt_along(carry):
-            s, dd_t, ys_t = carry
+            s, dd_t, _ = carry
             (_, corr), (y_new_t, corr_t), tr = along(
                 lambda dd, k: trial(s, dd, k), (s["d"], constants), (dd_t, dk)
             )
             extra = directions_error(s, y_new_t, corr_t, dd_t)
-            (d, ys), (dd_t, ys_t), rest = along(
-                lambda dd, ys, corr: finish(s, tr, extra, dd, ys, corr),
-                (s["d"], s["ys"], corr),
-                (dd_t, ys_t, corr_t),
+            (d, d_acc), (dd_t, d_acc_t), rest = along(
+                lambda dd, corr: finish(s, tr, extra, dd, corr),
+                (s["d"], corr),
+                (dd_t, corr_t),
             )
-            return dict(rest, d=d, ys=ys), dd_t, ys_t
+            return dict(rest, d=d, d_acc=d_acc), dd_t, d_acc_t
+
+        def steps_along(carry):
+            s, dd_t, d_acc_t, ys, ys_t = carry
+            s, dd_t, d_acc_t = jax.lax.while_loop(
+                lambda c: stepping(c[0]), attempt_along, (s, dd_t, d_acc_t)
+            )
+            ys, ys_t, k_out = along(
+                lambda d_acc, ys: passed(s, d_acc, ys),
+                (s["d_acc"], ys),
+                (d_acc_t, ys_t),
+            )
+            s = dict(s, k_out=k_out, pending=jnp.zeros_like(s["pending"]))
+            return s, dd_t, d_acc_t, ys, ys_t
 
         (d, ys), (dd_t, ys_t), rest = along(start, (constants, y0), (dk, dy0))
-        state, _, ys_t = jax.lax.while_loop(
-            lambda c: going(c[0]), attempt_along, (dict(rest, d=d, ys=ys), dd_t, ys_t)
+        state, _, _, ys, ys_t = jax.lax.while_loop(
+            lambda c: going(c[0]),
+            steps_along,
+            (dict(rest, d=d, d_acc=d), dd_t, dd_t, ys, ys_t),
         )
-        out = (state["ys"], ys_t)
+        out = (ys, ys_t)
     ok = state["done"] & ~state["failed"] & (state["k_out"] >= n_out)
     if with_stats:
         return (*out, ok, state["stats"])
