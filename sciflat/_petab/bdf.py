@@ -627,12 +627,13 @@ def bdf_solve(
     def stepping(s):
         return going(s) & ~jnp.any(s["pending"])
 
-    # Two loops: the attempts (the inner loop) until a step passes a measurement
-    # time, then that step's outputs (`passed`). The attempts' loop then carries no
-    # output: XLA:CPU runs a loop body kernel after kernel on the calling thread
-    # where all its buffers are at most 512 bytes (a small model's), and hands
-    # ready kernels to its pool otherwise (Elowitz's `nll` 1.7 times as long).
     if tangents is None:
+        # Two loops: the attempts (the inner loop) until a step passes a
+        # measurement time, then that step's outputs (`passed`). The attempts' loop
+        # then carries no output: XLA:CPU runs a loop body kernel after kernel on
+        # the calling thread where all its buffers are at most 512 bytes (a small
+        # model's), and hands ready kernels to its pool otherwise (Elowitz's `nll`
+        # 1.7 times as long).
 
         def attempt(s):
             (_, corr), tr = trial(s, s["d"], constants)
