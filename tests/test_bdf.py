@@ -257,6 +257,21 @@ def test_a_small_models_steps_touch_no_array_above_512_bytes(x64):
     assert len(attempts) == 1
     for eqn in attempts:
         assert _largest(eqn.params["body_jaxpr"].jaxpr) <= 512
+    # Below 20 species Newton's products are written as products and sums, which
+    # XLA fuses with the rest of an iteration (a batched dot is a kernel of its own:
+    # Schwen's llh 1.2 times as long).
+    (newton,) = _inner_loops(attempts[0].params["body_jaxpr"].jaxpr)
+    assert "dot_general" not in _primitives(newton.params["body_jaxpr"].jaxpr)
+
+
+def _primitives(jaxpr) -> set[str]:
+    """The primitives of a jaxpr and of the jaxprs inside it."""
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        for sub in jaxprs_in_params(eqn.params):
+            names |= _primitives(sub)
+    return names
 
 
 def test_bdf_options_are_checked():
