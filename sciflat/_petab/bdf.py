@@ -601,8 +601,9 @@ def bdf_solve(
     def passed(s, d_acc, ys):
         """The outputs at the measurement times the last accepted step passed
         (`s["pending"]`), from its polynomial (its differences `d_acc`): the new
-        `ys`, and the next measurement of each condition `k_out`."""
-        t_new, hh, order = s["t_acc"], s["h_acc"], s["order_acc"]
+        `ys`, and the state with each condition's next measurement (`k_out`) and
+        none pending."""
+        t_new, hh, order, want0 = s["t_acc"], s["h_acc"], s["order_acc"], s["pending"]
 
         def out_cond(os):
             return jnp.any(os["want"])
@@ -627,9 +628,9 @@ def bdf_solve(
             return dict(k_out=k_out, ys=ys_, want=next_want)
 
         os = jax.lax.while_loop(
-            out_cond, out_body, dict(k_out=s["k_out"], ys=ys, want=s["pending"])
+            out_cond, out_body, dict(k_out=s["k_out"], ys=ys, want=want0)
         )
-        return os["ys"], os["k_out"]
+        return os["ys"], dict(s, k_out=os["k_out"], pending=jnp.zeros_like(want0))
 
     def going(s):
         return jnp.any(~s["done"]) & (s["attempts"] < max_steps)
@@ -653,8 +654,8 @@ def bdf_solve(
         def steps(carry):
             s, ys = carry
             s = jax.lax.while_loop(stepping, attempt, s)
-            ys, k_out = passed(s, s["d_acc"], ys)
-            return dict(s, k_out=k_out, pending=jnp.zeros_like(s["pending"])), ys
+            ys, s = passed(s, s["d_acc"], ys)
+            return s, ys
 
         (d, ys), rest = start(constants, y0)
         state, ys = jax.lax.while_loop(
@@ -698,10 +699,9 @@ def bdf_solve(
             )
             # The outputs in the same loop: its body holds the directions, larger
             # than 512 bytes anyway (two loops: 10 % more time).
-            ys, ys_t, k_out = along(
+            ys, ys_t, rest = along(
                 lambda d_acc, ys: passed(rest, d_acc, ys), (d_acc, ys), (d_acc_t, ys_t)
             )
-            rest = dict(rest, k_out=k_out, pending=jnp.zeros_like(rest["pending"]))
             return dict(rest, d=d), dd_t, ys, ys_t
 
         (d, ys), (dd_t, ys_t), rest = along(start, (constants, y0), (dk, dy0))
