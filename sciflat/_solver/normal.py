@@ -169,58 +169,43 @@ def moments(f, jac) -> tuple[_lm._Measure, jax.Array, jax.Array]:
     and the lower triangle of `JᵀJ` `(K, n (n + 1) / 2)` (`pairs`), from `f` `(K, m)`
     and `jac` `(K, m, n)`.
 
-    One pass over the Jacobian: each slot's `[J f]` times itself, summed over the
-    residuals one after another (`_products`), so that the batch carries
-    `n (n + 3) / 2` numbers a fit from turn to turn rather than its `m · n`
-    Jacobian (the scaled normal equations follow from them: `equations`). The
-    order of the sum is fixed by `m` alone: the same bits for any number of slots
-    (tested), where XLA's reduction (`jnp.sum`) and dot add in an order that
-    depends on it. Every entry has `x * 0` added first, as in `lm._measure`: a
-    square is NaN exactly where `x` is not finite."""
+    One pass over the Jacobian (`_in_order`): the `(n + 1) (n + 2) / 2` sums of
+    products a fit needs, so that the batch carries `n (n + 3) / 2` numbers a fit
+    from turn to turn rather than its `m · n` Jacobian (the scaled normal equations
+    follow from them: `equations`). Each square has `x * 0` added, as in
+    `lm._measure`: it is NaN exactly where `x` is not finite."""
     n = jac.shape[-1]
-    both = jnp.concatenate([jac + jac * 0, f[..., None] + f[..., None] * 0], axis=-1)
-    # Written once (XLA would fuse the sums into each of their readers below).
-    full = jax.lax.optimization_barrier(_products(both))
-    squares = jnp.stack([full[:, i, i] for i in range(n)], axis=-1)  # (K, n)
-    fsq = full[:, n, n]
+    cols = [jac[..., i] for i in range(n)]
+    square = lambda x: x * x + x * 0
+    terms = [square(cols[i]) if i == j else cols[i] * cols[j] for i, j in pairs(n)]
+    terms += [cols[i] * f for i in range(n)] + [square(f)]
+    sums = _in_order(terms)
+    a = jnp.stack(sums[: len(pairs(n))], axis=-1)
+    g = jnp.stack(sums[len(pairs(n)) : -1], axis=-1)
+    fsq = sums[-1]
+    squares = jnp.stack([a[:, i * (i + 3) // 2] for i in range(n)], axis=-1)
     ok = ~jnp.isnan(fsq) & ~jnp.any(jnp.isnan(squares), axis=-1)
-    fnorm, cols = jnp.sqrt(fsq), jnp.sqrt(squares)
-    g = full[:, n, :n]
+    fnorm, cols_norm = jnp.sqrt(fsq), jnp.sqrt(squares)
     # MINPACK's `gnorm` (`lm._gnorm`): the largest cosine of `f` and a column.
-    live = (cols > 0) & (fnorm[:, None] > 0)
-    safe = jnp.where(live, cols * fnorm[:, None], 1.0)
+    live = (cols_norm > 0) & (fnorm[:, None] > 0)
+    safe = jnp.where(live, cols_norm * fnorm[:, None], 1.0)
     gnorm = jnp.max(jnp.where(live, jnp.abs(g) / safe, 0.0), axis=-1)
-    a = jnp.stack([full[:, i, j] for i, j in pairs(n)], axis=-1)
-    return _lm._Measure(ok, fnorm, cols, gnorm), g, a
+    return _lm._Measure(ok, fnorm, cols_norm, gnorm), g, a
 
 
-# `_products` adds the residuals' terms in a loop over chunks of this many, each
-# chunk one unrolled chain (one term after another throughout).
-_CHUNK = 16
-
-
-def _products(both) -> jax.Array:
-    """`Σ_t both[:, t, :, None] * both[:, t, None, :]` `(K, c, c)` from `both`
-    `(K, m, c)`, the terms added one after another in the order of `t` (each through
-    `_uncontracted`, so that no product is fused with its add into an FMA in one
-    program and not in another), whatever `K`: each slot's sum is computed as in a
-    batch of one. XLA's `jnp.sum` over `t` gave other bits for 1 and 64 slots
-    (Misra1a's 14 residuals; fits 2e-10 apart)."""
-    k, m, c = both.shape
-    chunks = -(-m // _CHUNK)
-    size = -(-m // chunks)  # at most `_CHUNK` terms a chunk, the fewest zeros added
-    if chunks == 1:
-        return _sum([both[:, t, :, None] * both[:, t, None, :] for t in range(m)])
-    # Zeros up to a whole number of chunks (adding a zero changes no sum).
-    both = jnp.pad(both, [(0, 0), (0, chunks * size - m), (0, 0)])
-
-    def add(i, total):
-        part = jax.lax.dynamic_slice_in_dim(both, i * size, size, axis=1)
-        for t in range(size):
-            total = total + _uncontracted(part[:, t, :, None] * part[:, t, None, :])
-        return total
-
-    return jax.lax.fori_loop(0, chunks, add, jnp.zeros((k, c, c), both.dtype))
+def _in_order(terms: list) -> list:
+    """The sums over the last axis of every array of `terms` (each `(K, m)`), each
+    adding its `m` terms one after another in the order of the axis, whatever `K`:
+    each slot's sums are computed as in a batch of one. One variadic reduction, into
+    which XLA fuses the products: every sum in one pass over the Jacobian, none of
+    it copied. Each term passes through `_uncontracted` first (no product is fused
+    with its add into an FMA in one program and not in another). XLA's `jnp.sum`
+    over the residuals gave other bits for 1 and 64 slots (Misra1a's 14 residuals;
+    fits 2e-10 apart); a reduction of several operands at once adds in order."""
+    terms = [_uncontracted(t) for t in terms]
+    zeros = tuple(jnp.zeros((), t.dtype) for t in terms)
+    add = lambda u, v: tuple(x + y for x, y in zip(u, v, strict=True))
+    return list(jax.lax.reduce(tuple(terms), zeros, add, (terms[0].ndim - 1,)))
 
 
 def equations(states: _lm.State) -> tuple[list, list]:
