@@ -312,6 +312,16 @@ class Objective:
         rows = [b.rows for b in self._by_observable] or [np.zeros(0, np.int64)]
         self._order = np.argsort(np.concatenate(rows))
         self._constant_index = np.stack(tables.constant_index)
+        # The initial states set by the condition table: conditions, states, and
+        # their entries of `ext`.
+        triples = [
+            (c, i, j)
+            for c, override in enumerate(tables.x0_override)
+            for i, j in override.items()
+        ]
+        self._x0_overrides = tuple(
+            np.array([t[a] for t in triples], np.int64) for a in range(3)
+        )
         # `BDF`'s conditions in turn or as one batch; None: by the model's size.
         self._bdf_in_turn: bool | None = None
         self._dynamic = dynamic_parameters(tables)
@@ -398,9 +408,12 @@ class Objective:
         return self.integrate(constants, x0, ts)
 
     def initial_all(self, ext: Array) -> tuple[Array, Array]:
-        """Every condition's constants and initial states: `(C, k)`, `(C, n)`."""
-        pairs = [self.initial(ext, c) for c in range(len(self.tables.conditions))]
-        return jnp.stack([k for k, _ in pairs]), jnp.stack([x for _, x in pairs])
+        """Every condition's constants and initial states: `(C, k)`, `(C, n)`, the
+        initial states' formulas traced once for all the conditions."""
+        constants = ext[self._constant_index]
+        x0 = jax.vmap(self.formulas.x0)(constants)
+        rows, states, sources = self._x0_overrides
+        return constants, x0.at[rows, states].set(ext[sources])
 
     def solve_all(self, ext: Array) -> tuple[Array, Array]:
         """Every condition at the union of the measurement times: `(C, T, n)`."""
