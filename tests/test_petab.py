@@ -345,6 +345,56 @@ def test_an_observables_formulas_are_traced_once_for_all_its_conditions(small):
 
 
 @pytest.mark.slow  # reads SBML with SymPy and compiles Diffrax solves: seconds
+def test_observables_sharing_a_formula_trace_it_once(tmp_path):
+    # obsA2 is obsA under another id, its placeholders its own, measured as obsA:
+    # one formula object for both, traced once for all their rows, and the nll the
+    # closed form's with obsA's rows counted twice.
+    obs_a = [m for m in SMALL_MEASUREMENTS if m[0] == "obsA"]
+    rows = SMALL_MEASUREMENTS + [("obsA2", *m[1:]) for m in obs_a]
+    observables = [
+        (
+            "obsA",
+            "observableParameter1_obsA * A",
+            "noiseParameter1_obsA",
+            "lin",
+            "normal",
+        ),
+        (
+            "obsA2",
+            "A * observableParameter1_obsA2",
+            "noiseParameter1_obsA2",
+            "lin",
+            "normal",
+        ),
+        ("obsC", "C", "0.1", "lin", "laplace"),
+        ("obsB", "B", "sdB", "log10", "normal"),
+        ("obsD", "a0 * B", "0.5", "lin", "normal"),
+    ]
+    path = small_problem(tmp_path, rows, observables=observables)
+    problem = sciflat.petab_problem(path, rtol=1e-11, atol=1e-13)
+    formulas = problem._objective.formulas
+    ids = problem.observable_ids
+    a, a2 = ids.index("obsA"), ids.index("obsA2")
+    assert formulas.h[a] is formulas.h[a2] and formulas.sigma[a] is formulas.sigma[a2]
+    calls = collections.Counter()
+    shared = formulas.h[a]
+    saved = shared.fn
+
+    def counting(*args):
+        calls["h"] += 1
+        return saved(*args)
+
+    shared.fn = counting
+    try:
+        jax.make_jaxpr(lambda m: problem._objective.nll(m))(problem.nominal)
+    finally:
+        shared.fn = saved
+    assert calls["h"] == 1
+    want = small_nll() + small_nll(measurements=obs_a)
+    np.testing.assert_allclose(float(problem.nll(problem.nominal)), want, rtol=1e-9)
+
+
+@pytest.mark.slow  # reads SBML with SymPy and compiles Diffrax solves: seconds
 def test_small_residuals_refuse_laplace_noise(small):
     with pytest.raises(ValueError, match=r"normal noise only.*minimize"):
         small.residuals(small.nominal)

@@ -217,8 +217,53 @@ def _by_observable(tables: Tables) -> tuple[Rows, ...]:
     return tuple(out)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Batch:
+    """The rows one formula is evaluated at, of one or several observables that
+    share it (`_formula_groups`): the fields of [`Rows`][] that `_formula_rows`
+    reads."""
+
+    rows: npt.NDArray[np.int64]
+    conditions: npt.NDArray[np.int64] | None
+    condition: int
+    time_index: npt.NDArray[np.int64]
+    times: npt.NDArray[np.float64]
+
+
+def _formula_groups(
+    fns: tuple[Any, ...], by_observable: tuple[Rows, ...]
+) -> tuple[tuple[tuple[int, ...], _Batch], ...]:
+    """The observables' rows grouped by formula (`fns[o]`: one object for the
+    observables that share a formula): for each formula, the indices into
+    `by_observable` of its observables and their rows as one `_Batch`."""
+    groups: dict[int, list[int]] = {}
+    for i, b in enumerate(by_observable):
+        groups.setdefault(id(fns[b.observable]), []).append(i)
+    out = []
+    for members in groups.values():
+        parts = [by_observable[i] for i in members]
+        cat = lambda f, parts=parts: np.concatenate([f(b) for b in parts])
+        conditions = cat(
+            lambda b: (
+                np.full(len(b.rows), b.condition, np.int64)
+                if b.conditions is None
+                else b.conditions
+            )
+        )
+        one = bool((conditions == conditions[0]).all())
+        batch = _Batch(
+            rows=cat(lambda b: b.rows),
+            conditions=None if one else conditions,
+            condition=int(conditions[0]),
+            time_index=cat(lambda b: b.time_index),
+            times=cat(lambda b: b.times),
+        )
+        out.append((tuple(members), batch))
+    return tuple(out)
+
+
 def _formula_rows(
-    fn: Any, b: Rows, ext: Array, all_ys: Array, cidx: Any, q: Array, params: Array
+    fn: Any, b: _Batch, ext: Array, all_ys: Array, cidx: Any, q: Array, params: Array
 ) -> Array:
     """`fn` at every row of `b`: with the constants of the rows' own conditions,
     only those the formula names gathered per row."""
@@ -309,8 +354,19 @@ class Objective:
         self._diffrax, self._solver = diffrax, solver
         self.rtol, self.atol, self._max_steps = rtol, atol, max_steps
         self._by_observable = _by_observable(tables)
-        rows = [b.rows for b in self._by_observable] or [np.zeros(0, np.int64)]
-        self._order = np.argsort(np.concatenate(rows))
+        # The rows of the observables that share a formula, evaluated as one batch
+        # (`terms`), for the observable formulas and for the noise formulas; and
+        # each measurement's place among the rows as they come out.
+        self._groups = tuple(
+            _formula_groups(fns, self._by_observable)
+            for fns in (formulas.h, formulas.sigma)
+        )
+        self._order = tuple(
+            np.argsort(
+                np.concatenate([b.rows for _, b in g] or [np.zeros(0, np.int64)])
+            )
+            for g in self._groups
+        )
         self._constant_index = np.stack(tables.constant_index)
         # The initial states set by the condition table: conditions, states, and
         # their entries of `ext`.
@@ -560,16 +616,23 @@ class Objective:
         all_ys, ok = self.solve_with_sensitivities(linear)
         q = ext[tables.q_only]
         h, sigma = [], []
-        for b in self._by_observable:
-            ops = ext[b.observable_parameters]
-            nps = jnp.concatenate([ops, ext[b.noise_parameters]], axis=1)
-            o, cidx = b.observable, self._constant_index
-            h.append(_formula_rows(formulas.h[o], b, ext, all_ys, cidx, q, ops))
-            sigma.append(_formula_rows(formulas.sigma[o], b, ext, all_ys, cidx, q, nps))
-        order = self._order
+        ops = [ext[b.observable_parameters] for b in self._by_observable]
+        nps = [
+            jnp.concatenate([u, ext[b.noise_parameters]], axis=1)
+            for u, b in zip(ops, self._by_observable, strict=True)
+        ]
+        cidx = self._constant_index
+        for fns, groups, params, out in (
+            (formulas.h, self._groups[0], ops, h),
+            (formulas.sigma, self._groups[1], nps, sigma),
+        ):
+            for members, batch in groups:
+                par = jnp.concatenate([params[i] for i in members])
+                fn = fns[self._by_observable[members[0]].observable]
+                out.append(_formula_rows(fn, batch, ext, all_ys, cidx, q, par))
         return {
-            "h": jnp.concatenate(h)[order],
-            "sigma": jnp.concatenate(sigma)[order],
+            "h": jnp.concatenate(h)[self._order[0]],
+            "sigma": jnp.concatenate(sigma)[self._order[1]],
             "ok": ok,
         }
 
