@@ -179,6 +179,15 @@ SMALL_MEASUREMENTS = [
 ]
 
 
+SMALL_OBSERVABLES = [
+    ("obsA", "observableParameter1_obsA * A", "noiseParameter1_obsA", "lin", "normal"),
+    ("obsC", "C", "0.1", "lin", "laplace"),
+    ("obsB", "B", "sdB", "log10", "normal"),
+    # names a0, a constant of the model set per condition
+    ("obsD", "a0 * B", "0.5", "lin", "normal"),
+]
+
+
 def small_problem(folder, measurements=SMALL_MEASUREMENTS, **changes):
     spec = dict(
         compartments=(("c1", 2.0),),
@@ -201,19 +210,7 @@ def small_problem(folder, measurements=SMALL_MEASUREMENTS, **changes):
             ("sdB", "lin", 0, 1, SD_B, 0),
         ],
         conditions={"low": {"a0": 1.0}, "high": {"a0": 2.0}},
-        observables=[
-            (
-                "obsA",
-                "observableParameter1_obsA * A",
-                "noiseParameter1_obsA",
-                "lin",
-                "normal",
-            ),
-            ("obsC", "C", "0.1", "lin", "laplace"),
-            ("obsB", "B", "sdB", "log10", "normal"),
-            # names a0, a constant of the model set per condition
-            ("obsD", "a0 * B", "0.5", "lin", "normal"),
-        ],
+        observables=SMALL_OBSERVABLES,
     )
     spec.update(changes)
     rows = [(o, "", c, y, t, op, npar) for o, c, y, t, op, npar in measurements]
@@ -351,24 +348,11 @@ def test_observables_sharing_a_formula_trace_it_once(tmp_path):
     # closed form's with obsA's rows counted twice.
     obs_a = [m for m in SMALL_MEASUREMENTS if m[0] == "obsA"]
     rows = SMALL_MEASUREMENTS + [("obsA2", *m[1:]) for m in obs_a]
+    same = ("obsA2", "A * observableParameter1_obsA2", "noiseParameter1_obsA2")
     observables = [
-        (
-            "obsA",
-            "observableParameter1_obsA * A",
-            "noiseParameter1_obsA",
-            "lin",
-            "normal",
-        ),
-        (
-            "obsA2",
-            "A * observableParameter1_obsA2",
-            "noiseParameter1_obsA2",
-            "lin",
-            "normal",
-        ),
-        ("obsC", "C", "0.1", "lin", "laplace"),
-        ("obsB", "B", "sdB", "log10", "normal"),
-        ("obsD", "a0 * B", "0.5", "lin", "normal"),
+        SMALL_OBSERVABLES[0],
+        (*same, "lin", "normal"),
+        *SMALL_OBSERVABLES[1:],
     ]
     path = small_problem(tmp_path, rows, observables=observables)
     problem = sciflat.petab_problem(path, rtol=1e-11, atol=1e-13)
