@@ -108,11 +108,7 @@ def _in_turn(problem: Any) -> None:
     ts = objective.tables.union_times
 
     def solve_all(ext):
-        pairs = [
-            objective.initial(ext, c) for c in range(len(objective.tables.conditions))
-        ]
-        constants = jnp.stack([k for k, _ in pairs])
-        x0 = jnp.stack([x for _, x in pairs])
+        constants, x0 = objective.initial_all(ext)
         ys, ok = jax.lax.map(
             lambda a: objective.integrate(a[0], a[1], ts), (constants, x0)
         )
@@ -133,13 +129,13 @@ def _steps(problem: Any, model: dict[str, Any]) -> str:
     out = []
     if isinstance(objective._solver, sciflat.BDF):
         rhs = objective.formulas.rhs
+        all_constants, all_x0 = objective.initial_all(ext)
         for c in range(len(objective.tables.conditions)):
-            constants, x0 = objective.initial(ext, c)
             _, _, stats = bdf_solve(
                 rhs,
                 rhs.jacobian,
-                constants[None],
-                x0[None],
+                all_constants[c : c + 1],
+                all_x0[c : c + 1],
                 ts,
                 objective.rtol,
                 objective.atol,
@@ -151,8 +147,9 @@ def _steps(problem: Any, model: dict[str, Any]) -> str:
         return (
             ", ".join(out) if len(out) < 4 else f"{out[0]}, ... ({len(out)} conditions)"
         )
+    all_constants, all_x0 = objective.initial_all(ext)
     for c in range(len(objective.tables.conditions)):
-        constants, x0 = objective.initial(ext, c)
+        constants, x0 = all_constants[c], all_x0[c]
         sol = diffrax.diffeqsolve(
             diffrax.ODETerm(sciflat.ReactionODE(constants, objective.formulas.rhs)),
             objective._solver,

@@ -413,18 +413,11 @@ class Objective:
 
     # -- the simulation -------------------------------------------------------------
 
-    def initial(self, ext: Array, c: int) -> tuple[Array, Array]:
-        constants = ext[self.tables.constant_index[c]]
-        x0 = self.formulas.x0(constants)
-        for i, j in self.tables.x0_override[c].items():
-            x0 = x0.at[i].set(ext[j])
-        return constants, x0
-
     def solve(
         self, ext: Array, c: int, ts: npt.NDArray[np.float64]
     ) -> tuple[Array, Array]:
-        constants, x0 = self.initial(ext, c)
-        return self.integrate(constants, x0, ts)
+        constants, x0 = self.initial_all(ext)
+        return self.integrate(constants[c], x0[c], ts)
 
     def initial_all(self, ext: Array) -> tuple[Array, Array]:
         """Every condition's constants and initial states: `(C, k)`, `(C, n)`, the
