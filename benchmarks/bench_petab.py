@@ -27,12 +27,15 @@ nominal parameters:
   1e-14 (converged), relative error; AMICI's own at its defaults in parentheses.
 - gradient: sciflat's `jax.grad` of the data's −log L (of `nll` less the priors; at
   `--grad-tol RTOL ATOL` if given, else sciflat's defaults) against AMICI's forward
-  sensitivities at rtol 1e-12, atol 1e-14, relative error in the 2-norm, both on the
-  parameters' scales; AMICI's own at its defaults in parentheses.
+  sensitivities at rtol 1e-12, atol 1e-14 (or its adjoint: `--amici-sensitivities
+  adjoint`), relative error in the 2-norm, both on the parameters' scales; AMICI's own
+  at its defaults in parentheses.
 - per call: sciflat's jitted `nll` and `jax.grad(nll)`; AMICI's `simulate_petab` with
   the ExpData and parameter mapping made once (what pyPESTO's objective calls), at its
-  defaults (rtol 1e-8, atol 1e-16), without and with forward sensitivities; both
-  single-threaded on the host. Medians of interleaved rounds, and the ratio.
+  defaults (rtol 1e-8, atol 1e-16), without and with its sensitivities; both
+  single-threaded on the host. Medians of interleaved rounds, and the ratio. Where
+  AMICI's defaults fail (their 10,000 steps too few: its llh nan), AMICI is timed
+  with `max_steps` 10**6, and the table says so.
 - first call: sciflat's `petab_problem` (read) plus its first `nll` (trace, compile,
   run) and its first gradient; AMICI's model build (code generation and C++ build,
   once per model: cached under `--amici-models`, its time kept beside it) and its load
@@ -143,19 +146,38 @@ def _emit(**record: Any) -> None:
     print("@@ " + json.dumps(record), flush=True)
 
 
-def _amici_solver(model: Any, rtol: float, atol: float | None, sensitivities: bool):
+def _amici_solver(
+    model: Any,
+    rtol: float,
+    atol: float | None,
+    sensitivities: str | None,
+    max_steps: int | None = None,
+):
+    """AMICI's solver at `rtol`, `atol` (None: AMICI's defaults, rtol 1e-8, atol
+    1e-16), with first-order `"forward"` or `"adjoint"` sensitivities or none, and
+    `max_steps` (None: AMICI's 10,000; 10**6 where tolerances are given)."""
     from amici.sim.sundials import SensitivityMethod, SensitivityOrder
 
     solver = model.create_solver()
-    if atol is not None:  # else AMICI's defaults (rtol 1e-8, atol 1e-16)
+    if atol is not None:
         solver.set_relative_tolerance(rtol)
         solver.set_absolute_tolerance(atol)
         solver.set_relative_tolerance_fsa(rtol)
         solver.set_absolute_tolerance_fsa(atol)
-        solver.set_max_steps(10**6)
-    if sensitivities:
+        solver.set_relative_tolerance_b(rtol)
+        solver.set_absolute_tolerance_b(atol)
+        solver.set_relative_tolerance_quadratures(rtol)
+        solver.set_absolute_tolerance_quadratures(atol)
+        max_steps = max_steps or 10**6
+    if max_steps is not None:
+        solver.set_max_steps(max_steps)
+    if sensitivities is not None:
         solver.set_sensitivity_order(SensitivityOrder.first)
-        solver.set_sensitivity_method(SensitivityMethod.forward)
+        solver.set_sensitivity_method(
+            SensitivityMethod.forward
+            if sensitivities == "forward"
+            else SensitivityMethod.adjoint
+        )
     return solver
 
 
@@ -195,9 +217,11 @@ def one_problem(
     amici_only: bool = False,
     grad_tol: tuple[float, float] | None = None,
     values_only: bool = False,
+    method: str = "forward",
 ) -> None:
     """Everything for one problem, in this (fresh) process; results as `_emit` lines.
-    `values_only`: the llh and its time, no sensitivities on either side."""
+    `values_only`: the llh and its time, no sensitivities on either side; `method`:
+    AMICI's sensitivities, `"forward"` or `"adjoint"`."""
     import logging
 
     import amici  # noqa: F401  (imported before any clock starts, as JAX is)
@@ -242,10 +266,10 @@ def one_problem(
             scaled_gradients=True,
         )
 
-    plain = _amici_solver(model, 1e-8, None, sensitivities=False)
+    plain = _amici_solver(model, 1e-8, None, None)
     amici_call(plain)
     _emit(amici_load_s=time.perf_counter() - t)
-    tight = amici_call(_amici_solver(model, *_TIGHT, sensitivities=not values_only))
+    tight = amici_call(_amici_solver(model, *_TIGHT, None if values_only else method))
     ref_llh = float(tight["llh"])
     ref_grad = (
         None
@@ -253,16 +277,24 @@ def one_problem(
         else [-float(tight["sllh"][k]) for k in ids]  # of −llh
     )
     default_llh = float(amici_call(plain)["llh"])
-    sens = _amici_solver(model, 1e-8, None, sensitivities=True)
+    # Where AMICI's defaults stop short (10,000 steps; Lang et al. 2024 takes
+    # 12,140), the time to that failure is no simulation: both AMICI calls timed
+    # with the steps it needs, as its user would have to set them.
+    max_steps = None if np.isfinite(default_llh) else 10**6
+    if max_steps is not None:
+        plain = _amici_solver(model, 1e-8, None, None, max_steps)
+    sens = _amici_solver(model, 1e-8, None, method, max_steps)
     sllh = None if values_only else amici_call(sens)["sllh"]
     _emit(
+        amici_max_steps=max_steps,
+        amici_method=method,
         amici_llh=ref_llh,
         amici_grad=ref_grad,
         amici_default_llh=default_llh,
         amici_default_grad=None if sllh is None else [-float(sllh[k]) for k in ids],
     )
     if amici_only:  # and AMICI's gradient against its own central differences
-        tight_plain = _amici_solver(model, *_TIGHT, sensitivities=False)
+        tight_plain = _amici_solver(model, *_TIGHT, None)
         fd = []
         for k in ids:
             h = 1e-5 * max(1.0, abs(x_amici[k]))
@@ -433,9 +465,16 @@ def _row(name: str, r: dict[str, Any], status: str) -> str:
     build = r.get("amici_build_s")
     load = r.get("amici_load_s")
     amici_first = f"{build:.0f} s / {load:.2f} s" if build is not None and load else "—"
-    note = "" if status == "ok" else status
+    notes = [] if status == "ok" else [status]
     if "sciflat_error" in r:
-        note = r["sciflat_error"]
+        notes = [r["sciflat_error"]]
+    if r.get("amici_method", "forward") != "forward":
+        notes.append(f"AMICI's gradient: {r['amici_method']}")
+    if r.get("amici_max_steps"):
+        notes.append(
+            f"AMICI timed with max_steps {r['amici_max_steps']:.0e} (its defaults fail)"
+        )
+    note = "; ".join(notes)
     return (
         f"| {name} | {llh_cell} | {grad_cell} | {times[0]} | {times[1]} | {first} | "
         f"{amici_first} | {note} |"
@@ -489,6 +528,8 @@ def against_amici(args: argparse.Namespace) -> None:
                 *(["--amici-only"] if args.amici_only else []),
                 *(["--values-only"] if args.values_only else []),
                 *(["--grad-tol", *map(str, args.grad_tol)] if args.grad_tol else []),
+                "--amici-sensitivities",
+                args.amici_sensitivities,
             ],
             args.timeout,
         )
@@ -574,6 +615,13 @@ if __name__ == "__main__":
         action="store_true",
         help="the llh and its time only: no sensitivities (hundreds of parameters)",
     )
+    parser.add_argument(
+        "--amici-sensitivities",
+        choices=("forward", "adjoint"),
+        default="forward",
+        help="AMICI's gradient (the reference and the timed one): forward "
+        "sensitivities (default) or its adjoint (hundreds of parameters)",
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--build-one", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -588,6 +636,7 @@ if __name__ == "__main__":
             args.amici_only,
             None if args.grad_tol is None else tuple(args.grad_tol),
             args.values_only,
+            args.amici_sensitivities,
         )
     elif args.from_json:
         _table(json.loads(pathlib.Path(args.from_json).read_text()), "", args.repeats)
