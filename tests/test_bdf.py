@@ -1,13 +1,15 @@
 """`sciflat.BDF`, the variable-order BDF method of PEtab simulations: against a tight
 Kvaerno5 solve (stiff and non-autonomous problems, at the tolerances and tighter), a
 batch of conditions against each solved alone, its forward derivatives against
-central differences of tight solves, its matrices kept over many steps, a blow-up
-reported as a failure, and the state's dtype throughout."""
+central differences of tight solves, its reverse mode (the adjoint of its steps)
+against its forward mode, its matrices kept over many steps, a blow-up reported as a
+failure, and the state's dtype throughout."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 from jax.extend.core import jaxprs_in_params
 
 import sciflat
@@ -15,7 +17,7 @@ from helpers import foreign_float_ops, robertson, tight
 
 
 pytest.importorskip("diffrax")
-from sciflat._petab.bdf import bdf_solve
+from sciflat._petab.bdf import bdf_adjoint, bdf_solve
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +117,53 @@ def test_bdf_forward_derivatives_are_the_solutions(x64):
     np.testing.assert_allclose(forward, central, rtol=1e-6, atol=1e-9)
 
 
+@pytest.fixture(scope="module")
+def adjoint_and_forward(x64):
+    """The forced oscillator's solve, jitted: recorded with its adjoint, and forward
+    mode through the plain solve (the Jacobian of the outputs in `(k, y0)`)."""
+    ts = np.array([0.0, 0.3, 1.1, 2.0, 3.5])
+    f, jac = forced_oscillator, jax.jacfwd(forced_oscillator, argnums=1)
+
+    def plain(k, y0):
+        return bdf_solve(f, jac, k, y0, ts, 1e-8, 1e-10, 100_000)[0]
+
+    @jax.jit
+    def adjoint(k, y0, ys_bar):
+        ys, ok, kept = bdf_solve(f, jac, k, y0, ts, 1e-8, 1e-10, 100_000, record=True)
+        return ys, ok, bdf_adjoint(f, jac, k, y0, ts, kept, ys_bar)
+
+    return jax.jit(plain), adjoint, jax.jit(jax.jacfwd(plain, argnums=(0, 1)))
+
+
+@pytest.mark.slow  # compiles the recorded solve, its adjoint and forward mode: seconds
+@settings(max_examples=6, deadline=None)
+@given(
+    stiffness=st.lists(st.floats(0.5, 30.0), min_size=1, max_size=3),
+    seed=st.integers(0, 2**16),
+)
+def test_the_adjoint_of_the_steps_is_the_transpose_of_forward_mode(
+    adjoint_and_forward, stiffness, seed
+):
+    # Reverse mode by the adjoint of the accepted steps (`bdf_adjoint`) against
+    # forward mode through the plain solve (the same steps), for any cotangent of
+    # the outputs: the same derivatives, a batch of conditions each with its own.
+    plain, adjoint, forward = adjoint_and_forward
+    rng = np.random.default_rng(seed)
+    k = jnp.asarray(stiffness)[:, None]
+    y0 = jnp.asarray(rng.uniform(-2, 2, (len(stiffness), 2)))
+    ys_bar = jnp.asarray(rng.standard_normal((len(stiffness), 5, 2)))
+    ys, ok, (k_bar, y0_bar) = adjoint(k, y0, ys_bar)
+    assert bool(jnp.all(ok))
+    np.testing.assert_array_equal(ys, plain(k, y0))  # the record changes nothing
+    dk, dy0 = forward(k, y0)  # (C, T, n, C, 1), (C, T, n, C, 2)
+    np.testing.assert_allclose(
+        k_bar, jnp.einsum("ctn,ctnab->ab", ys_bar, dk), rtol=1e-9, atol=1e-11
+    )
+    np.testing.assert_allclose(
+        y0_bar, jnp.einsum("ctn,ctnab->ab", ys_bar, dy0), rtol=1e-9, atol=1e-11
+    )
+
+
 @pytest.mark.slow  # compiles the solve with its directions and tight solves: seconds
 def test_controlled_sensitivities_converge_with_the_tolerance(x64):
     # The derivatives along the state's steps are 1.7e-4 off at rtol 1e-6 on this
@@ -197,6 +246,17 @@ def test_bdf_computes_in_the_states_dtype(x64):
         ys[0, -1], tight(robertson, jnp.array([1.0, 0.0, 0.0]), [10.0])[-1], rtol=1e-3
     )
     assert foreign_float_ops(jax.make_jaxpr(fn)(k, y0), jnp.float32) == []
+    # and its reverse mode, the record and the adjoint of the steps
+    f, jac = robertson, jax.jacfwd(robertson, argnums=1)
+    ts = np.array([0.0, 1.0, 10.0])
+
+    def back(k, y):
+        ys, _, kept = bdf_solve(f, jac, k, y, ts, 1e-4, 1e-6, 1000, record=True)
+        return bdf_adjoint(f, jac, k, y, ts, kept, jnp.ones_like(ys))
+
+    _, y_bar = jax.jit(back)(k, y0)
+    assert y_bar.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(y_bar)))
+    assert foreign_float_ops(jax.make_jaxpr(back)(k, y0), jnp.float32) == []
 
 
 def _inner_loops(jaxpr) -> list:
@@ -286,3 +346,10 @@ def test_bdf_options_are_checked():
     assert not sciflat.BDF(control_sensitivities=False).controls(1)
     with pytest.raises(TypeError, match="control_sensitivities"):
         sciflat.BDF(control_sensitivities=1)  # type: ignore[arg-type]
+    # reverse mode by the adjoint beyond `CONTROL_UP_TO` directions, else as asked
+    assert sciflat.BDF().reverse(CONTROL_UP_TO + 1)
+    assert not sciflat.BDF().reverse(CONTROL_UP_TO)
+    assert sciflat.BDF(adjoint=True).reverse(1)
+    assert not sciflat.BDF(adjoint=False).reverse(10**4)
+    with pytest.raises(TypeError, match="adjoint"):
+        sciflat.BDF(adjoint="yes")  # type: ignore[arg-type]

@@ -411,6 +411,38 @@ def test_small_gradient_matches_finite_differences_in_both_modes(small):
     np.testing.assert_allclose(value, f(p), rtol=1e-9)
 
 
+@pytest.mark.slow  # compiles the small problem's solves three ways: seconds
+def test_the_adjoint_gradient_is_the_forward_gradient_along_the_same_steps(tmp_path):
+    # `BDF(adjoint=True)`: `jax.grad` of `nll` by the adjoint of the steps (the
+    # default beyond 100 parameters read) against forward mode along the same steps
+    # (`adjoint=False`), on a problem of two conditions with an initial state and a
+    # noise parameter estimated; `residuals` keep their forward mode, `nll` has none.
+    path = small_problem(tmp_path / "small", measurements=NORMAL_MEASUREMENTS)
+    problems = {
+        way: sciflat.petab_problem(
+            path,
+            rtol=1e-9,
+            atol=1e-11,
+            solver=sciflat.BDF(control_sensitivities=False, adjoint=way),
+        )
+        for way in (True, False)
+    }
+    p, re = sciflat.destructure(problems[True].nominal, dtype=jnp.float64)
+    got = {
+        way: jax.jit(jax.value_and_grad(lambda x, pr=pr: pr.nll(re(x))))(p)
+        for way, pr in problems.items()
+    }
+    assert float(got[True][0]) == float(got[False][0])
+    np.testing.assert_allclose(got[True][1], got[False][1], rtol=1e-10, atol=1e-12)
+    assert float(jnp.max(jnp.abs(got[True][1]))) > 1  # a gradient, not zeros
+    jacobians = [
+        jax.jacfwd(lambda x, pr=pr: pr.residuals(re(x)))(p) for pr in problems.values()
+    ]
+    np.testing.assert_array_equal(*jacobians)
+    with pytest.raises(TypeError, match="forward-mode"):
+        jax.jvp(lambda x: problems[True].nll(re(x)), (p,), (p,))
+
+
 NORMAL_MEASUREMENTS = [m for m in SMALL_MEASUREMENTS if m[0] != "obsC"]
 # Normal priors, one on the linear value and one on the parameter's scale: residuals.
 NORMAL_PRIORS = [

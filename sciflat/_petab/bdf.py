@@ -26,7 +26,10 @@ CVODES's `CVodeGetDky`), so the steps need not end on them.
 Differentiation is JAX's forward mode through the loop, the step sizes, orders and
 matrices taken as constants, and each step's corrector differentiated at its
 solution (implicitly, with the exact Jacobian there: a custom JVP), not through the
-Newton iterations that found it. The algorithm follows SciPy's
+Newton iterations that found it. Reverse mode can run the same derivatives backwards
+(`bdf_adjoint`, the discrete adjoint of the attempts a recorded solve made): one
+transposed linear solve per accepted step instead of one direction per parameter.
+The algorithm follows SciPy's
 `scipy.integrate.BDF` (Shampine & Reichelt 1997, "The MATLAB ODE Suite"; Byrne and
 Hindmarsh's quasi-constant step size implementation), written over a batch.
 """
@@ -90,10 +93,19 @@ class BDF:
       estimated parameters; with more, along the state's steps (Lang et al. 2024,
       261 of them: its gradient took 28 s along the state's steps, and more than
       6 minutes controlled).
+    - `adjoint`: where the derivatives follow the state's steps, `jax.grad` of
+      `nll` by the discrete adjoint of those steps (one transposed linear solve an
+      accepted step, whatever the number of parameters: Lang et al. 2024's gradient
+      1.4 s against 28 s, the same to 1e-15 in norm) instead of one direction per
+      parameter. `nll` then has no forward mode (`jax.jvp`, `jax.hessian`;
+      `residuals` keeps it). `None` (the default): where the simulation reads more
+      than `CONTROL_UP_TO` parameters; `True`: wherever the derivatives follow the
+      state's steps; `False`: never.
     """
 
     max_order: int = 5
     control_sensitivities: bool | None = None
+    adjoint: bool | None = None
 
     def __post_init__(self):
         if not isinstance(self.max_order, int) or not 1 <= self.max_order <= 5:
@@ -106,6 +118,10 @@ class BDF:
                 "`control_sensitivities` must be None, True or False, got "
                 f"{self.control_sensitivities!r}."
             )
+        if not (self.adjoint is None or isinstance(self.adjoint, bool)):
+            raise TypeError(
+                f"`adjoint` must be None, True or False, got {self.adjoint!r}."
+            )
 
     def controls(self, n_directions: int) -> bool:
         """Whether the sensitivities' errors are controlled, for a simulation that
@@ -113,6 +129,13 @@ class BDF:
         if self.control_sensitivities is None:
             return n_directions <= CONTROL_UP_TO
         return self.control_sensitivities
+
+    def reverse(self, n_directions: int) -> bool:
+        """Whether `jax.grad` of `nll` runs the adjoint of the steps (where they
+        do not control the sensitivities), for `n_directions` parameters read."""
+        if self.adjoint is None:
+            return n_directions > CONTROL_UP_TO
+        return self.adjoint
 
 
 def _coefficients(dtype: Any) -> tuple[Any, Any, Any]:
@@ -189,6 +212,7 @@ def bdf_solve(
     max_order: int = 5,
     with_stats: bool = False,
     tangents: tuple[jax.Array, jax.Array] | None = None,
+    record: bool = False,
 ) -> Any:
     """Solves `dy/dt = rhs(t, y, k)` from `t = 0` for a batch of conditions
     (`constants`: `(C, k)`, `y0`: `(C, n)`) and returns the solution at `ts`
@@ -204,7 +228,11 @@ def bdf_solve(
     the state and of each direction, each direction weighted by `rtol` times its own
     size plus `atol` (so give directions scaled to the parameters' sizes).
     Differentiating the plain solve (`tangents=None`) gives the same derivatives
-    along the state's steps, their error not controlled."""
+    along the state's steps, their error not controlled.
+
+    `record` (without `tangents`): also returns what `bdf_adjoint` needs to
+    differentiate the solve in reverse mode, each attempt's corrector solution and
+    choices (`max_steps` rows of each: the attempts cannot outnumber them)."""
     dtype = y0.dtype
     n_cond, n = y0.shape
     eps = float(jnp.finfo(dtype).eps)
@@ -466,12 +494,17 @@ def bdf_solve(
         )
 
     def finish(s, tr, extra, dd, corr):
+        out, rest, _ = finish_made(s, tr, extra, dd, corr)
+        return out, rest
+
+    def finish_made(s, tr, extra, dd, corr):
         """The rest of an attempt, from the trial `tr` and its correction `corr`:
         accepted or rejected, the next step and order; the new differences `d`,
         those of the accepted step before they are rescaled to the next (`d_acc`,
         for the outputs: `passed`), and the rest of the state. `extra`: None, or
         the directions' error estimates at the order below, at and above (each
-        `(C,)`), which the state's are raised to."""
+        `(C,)`), which the state's are raised to. Last, what the attempt chose
+        (for `bdf_adjoint`'s record)."""
         live, t_new, y_new = tr["live"], tr["t_new"], tr["y_new"]
         converged, iterations = tr["converged"], tr["iterations"]
         order, hh, t = s["order"], s["h"], s["t"]
@@ -596,13 +629,21 @@ def bdf_solve(
                 axis=1,
             ).astype(jnp.int32),
         )
-        return (dd, d_acc), rest
+        made = dict(
+            accepted=accepted, rescale=rescale, order_next=order_next, factor=factor
+        )
+        return (dd, d_acc), rest, made
 
     def passed(s, d_acc, ys):
+        ys, _, rest = passed_from(s, d_acc, ys, None)
+        return ys, rest
+
+    def passed_from(s, d_acc, ys, source):
         """The outputs at the measurement times the last accepted step passed
         (`s["pending"]`), from its polynomial (its differences `d_acc`): the new
         `ys`, and the state with each condition's next measurement (`k_out`) and
-        none pending."""
+        none pending; `source` `(C, T)` (or None): which attempt gave each output,
+        updated."""
         t_new, hh, order, want0 = s["t_acc"], s["h_acc"], s["order_acc"], s["pending"]
 
         def out_cond(os):
@@ -625,12 +666,17 @@ def bdf_solve(
             next_want = (
                 want & (k_out < n_out) & (ts_j[jnp.minimum(k_out, n_out - 1)] <= t_new)
             )
-            return dict(k_out=k_out, ys=ys_, want=next_want)
+            new = dict(k_out=k_out, ys=ys_, want=next_want)
+            if source is not None:  # the last attempt gave them
+                new["source"] = jnp.where(onehot, s["attempts"] - 1, os["source"])
+            return new
 
-        os = jax.lax.while_loop(
-            out_cond, out_body, dict(k_out=s["k_out"], ys=ys, want=want0)
-        )
-        return os["ys"], dict(s, k_out=os["k_out"], pending=jnp.zeros_like(want0))
+        first = dict(k_out=s["k_out"], ys=ys, want=want0)
+        if source is not None:
+            first["source"] = source
+        os = jax.lax.while_loop(out_cond, out_body, first)
+        rest = dict(s, k_out=os["k_out"], pending=jnp.zeros_like(want0))
+        return os["ys"], os.get("source"), rest
 
     def going(s):
         return jnp.any(~s["done"]) & (s["attempts"] < max_steps)
@@ -638,7 +684,62 @@ def bdf_solve(
     def stepping(s):
         return going(s) & ~jnp.any(s["pending"])
 
-    if tangents is None:
+    kept: dict[str, jax.Array] = {}
+    if record:
+        if tangents is not None:
+            raise ValueError("`record` is for the plain solve (no `tangents`).")
+        # The plain solve's two loops, each attempt written to the record.
+        rows_of = dict(
+            y=((n,), dtype),
+            accepted=((), bool),
+            order=((), jnp.int32),
+            c=((), dtype),
+            t_new=((), dtype),
+            h=((), dtype),
+            rescale=((), bool),
+            order_next=((), jnp.int32),
+            factor=((), dtype),
+        )
+        book = {
+            k: jnp.zeros((max_steps, n_cond, *shape), kind)
+            for k, (shape, kind) in rows_of.items()
+        }
+
+        def attempt_kept(carry):
+            s, book = carry
+            (_, corr), tr = trial(s, s["d"], constants)
+            (d, d_acc), rest, made = finish_made(s, tr, None, s["d"], corr)
+            row = dict(
+                made,
+                y=tr["y_new"],
+                order=s["order"],
+                c=s["h"] / alpha[s["order"]],
+                t_new=tr["t_new"],
+                h=s["h"],
+            )
+            i = s["attempts"]
+            book = {k: book[k].at[i].set(row[k].astype(book[k].dtype)) for k in book}
+            return dict(rest, d=d, d_acc=d_acc), book
+
+        def steps_kept(carry):
+            s, book, ys, source = carry
+            s, book = jax.lax.while_loop(
+                lambda c: stepping(c[0]), attempt_kept, (s, book)
+            )
+            ys, source, s = passed_from(s, s["d_acc"], ys, source)
+            return s, book, ys, source
+
+        (d, ys), rest = start(constants, y0)
+        source = jnp.full((n_cond, n_out), -1, jnp.int32)  # -1: y0 (t <= 0)
+        state, book, ys, source = jax.lax.while_loop(
+            lambda c: going(c[0]),
+            steps_kept,
+            (dict(rest, d=d, d_acc=d), book, ys, source),
+        )
+        kept = {**book, "attempts": state["attempts"], "h0": rest["h"]}
+        kept["source"] = jnp.asarray(source)
+        out = (ys,)
+    elif tangents is None:
         # Two loops: the attempts (the inner loop) until a step passes a
         # measurement time, then that step's outputs (`passed`). The attempts' loop
         # then carries no output: XLA:CPU runs a loop body kernel after kernel on
@@ -712,6 +813,8 @@ def bdf_solve(
     ok = state["done"] & ~state["failed"] & (state["k_out"] >= n_out)
     if with_stats:
         return (*out, ok, state["stats"])
+    if record:
+        return (*out, ok, kept)
     return (*out, ok)
 
 
@@ -738,3 +841,111 @@ def _around(
         order < max_order, estimate(order + 1, jnp.minimum(order + 2, 7)), jnp.inf
     )
     return err_m, err_p
+
+
+def bdf_adjoint(
+    rhs: Callable[[Any, Any, Any], Any],
+    jacobian: Callable[[Any, Any, Any], Any],
+    constants: jax.Array,
+    y0: jax.Array,
+    ts: npt.NDArray[np.float64],
+    kept: dict[str, jax.Array],
+    ys_bar: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """Reverse mode through a solve of `bdf_solve(..., record=True)`: the cotangents
+    of `constants` `(C, k)` and `y0` `(C, n)` from those of its outputs `ys_bar`
+    `(C, T, n)`, with `kept` its record. The discrete adjoint of the steps taken:
+    the attempts from the last to the first, each step's differences updated,
+    rescaled and read at the measurement times transposed (they are linear in the
+    differences), and each accepted corrector's solution `y` differentiated
+    implicitly, `(I - c J(y))ᵀ μ = ȳ` with the exact Jacobian at `y` (the transpose
+    of the forward rule, `_newton_jvp`). The step sizes, orders and matrices are
+    constants, as in forward mode: the same derivatives as `jax.jvp` of the plain
+    solve along the state's steps (not `tangents`' controlled ones), for the cost of
+    one transposed solve an accepted step rather than one direction per parameter."""
+    dtype = y0.dtype
+    n_cond, n = y0.shape
+    gamma, alpha, _ = _coefficients(dtype)
+    ts_j = jnp.asarray(ts, dtype)
+    rows = jnp.arange(8)
+    f_b = jax.vmap(rhs)
+    change = jax.vmap(_change)
+    zeros_d = jnp.zeros((n_cond, 8, n), dtype)
+    zeros_y = jnp.zeros((n_cond, n), dtype)
+    source = kept["source"]  # (C, T): the attempt that gave each output; -1: y0
+
+    def read_out(lam_d, i, r):
+        """The outputs of attempt `i` (`y = d[0] + Σ p_j d[j]`), transposed onto
+        its differences before their rescaling."""
+        mine = source == i  # (C, T)
+        j = jnp.arange(1, 6, dtype=dtype)
+        t_new, hh = r["t_new"][:, None, None], r["h"][:, None, None]
+        x = (ts_j[None, :, None] - (t_new - hh * (j - 1))) / (hh * j)
+        p = jnp.cumprod(x, axis=-1)  # (C, T, 5)
+        p = jnp.where(j <= r["order"][:, None, None].astype(dtype), p, 0)
+        p = jnp.where((ts_j[None, :, None] >= t_new) | ~mine[:, :, None], 0, p)
+        bar = jnp.where(mine[:, :, None], ys_bar, 0)  # (C, T, n)
+        lam_d = lam_d.at[:, 0].add(jnp.sum(bar, axis=1))
+        return lam_d.at[:, 1:6].add(jnp.einsum("ctj,ctn->cjn", p, bar))
+
+    def corrector(r, lam_corr):
+        """μ = (I - c J(y))⁻ᵀ ȳ and its share of `constants`' cotangent."""
+        t_new, y, c = r["t_new"], r["y"], r["c"]
+        jac = jax.vmap(jacobian)(t_new, y, constants)
+        w = jnp.eye(n, dtype=dtype) - c[:, None, None] * jac
+        w = jnp.where(r["accepted"][:, None, None], w, jnp.eye(n, dtype=dtype))
+        mu = jnp.linalg.solve(jnp.swapaxes(w, 1, 2), lam_corr[..., None])[..., 0]
+        _, pull = jax.vjp(lambda k: f_b(t_new, y, k), constants)
+        (k_bar,) = pull(c[:, None] * mu)
+        return mu, k_bar
+
+    def back(carry):
+        i, lam, k_bar = carry
+        r = {
+            key: kept[key][i] for key in kept if key not in ("source", "attempts", "h0")
+        }
+        # The rescaling to the next step, then the outputs read before it.
+        _, pull = jax.vjp(lambda d: change(d, r["order_next"], r["factor"]), zeros_d)
+        lam = jnp.where(r["rescale"][:, None, None], pull(lam)[0], lam)
+        lam = jax.lax.cond(jnp.any(source == i), read_out, lambda a, b, c: a, lam, i, r)
+        # The accepted step's update of the differences by its correction.
+        acc = r["accepted"]
+        _, pull = jax.vjp(
+            lambda d, corr: _accepted(d, corr, r["order"]), zeros_d, zeros_y
+        )
+        lam_acc, lam_corr = pull(lam)
+        lam = jnp.where(acc[:, None, None], lam_acc, lam)
+        lam_corr = jnp.where(acc[:, None], lam_corr, 0)
+        # corr = y - y_pred, y the corrector's solution from y_pred, psi and k.
+        mu, k_i = jax.lax.cond(
+            jnp.any(acc),
+            corrector,
+            lambda r, x: (zeros_y, jnp.zeros_like(constants)),
+            r,
+            lam_corr,
+        )
+        lam_pred, lam_psi = mu - lam_corr, -mu
+        order = r["order"]
+        below = rows[None, :] <= order[:, None]  # (C, 8)
+        g = (
+            jnp.concatenate([gamma, jnp.zeros(2, dtype)])[None, :]
+            / alpha[order][:, None]
+        )
+        g = jnp.where(below & (rows[None, :] >= 1) & (rows[None, :] <= 5), g, 0)
+        lam = lam + jnp.where(below[:, :, None], lam_pred[:, None, :], 0)
+        lam = lam + g[:, :, None] * lam_psi[:, None, :]
+        return i - 1, lam, k_bar + jnp.where(acc[:, None], k_i, 0)
+
+    _, lam, k_bar = jax.lax.while_loop(
+        lambda c: c[0] >= 0,
+        back,
+        (kept["attempts"] - 1, zeros_d, jnp.zeros_like(constants)),
+    )
+    # The start: d[0] = y0, d[1] = h0 f(0, y0, k), and the outputs at t <= 0.
+    h0 = kept["h0"]
+    t0 = jnp.zeros((n_cond,), dtype)
+    _, pull = jax.vjp(lambda y, k: f_b(t0, y, k) * h0[:, None], y0, constants)
+    y_bar, k_start = pull(lam[:, 1])
+    at_start = ((source == -1) & (ts_j <= 0)[None, :])[:, :, None]
+    y_bar = y_bar + lam[:, 0] + jnp.sum(jnp.where(at_start, ys_bar, 0), 1)
+    return k_bar + k_start, y_bar
