@@ -441,6 +441,18 @@ def test_the_adjoint_gradient_is_the_forward_gradient_along_the_same_steps(tmp_p
     np.testing.assert_array_equal(*jacobians)
     with pytest.raises(TypeError, match="forward-mode"):
         jax.jvp(lambda x: problems[True].nll(re(x)), (p,), (p,))
+    # A fit takes the adjoint's gradient (SciPy's path tries forward mode first for
+    # few parameters), and `uncertainty` its Hessian from forward mode over it.
+    fits = {
+        way: pr.uncertainty(sciflat.minimize(pr.nll, pr.nominal, bounds=pr.bounds))
+        for way, pr in problems.items()
+    }
+    np.testing.assert_allclose(fits[True].loss, fits[False].loss, rtol=1e-9)
+    errors = [
+        jnp.stack([fit.stderr[k] for k in sorted(fit.stderr)]) for fit in fits.values()
+    ]
+    np.testing.assert_allclose(*errors, rtol=1e-5)
+    assert bool(jnp.all(jnp.isfinite(errors[0])))
 
 
 NORMAL_MEASUREMENTS = [m for m in SMALL_MEASUREMENTS if m[0] != "obsC"]
@@ -1116,18 +1128,22 @@ def test_bdf_gradients_converge_with_the_tolerances_as_the_values(tmp_path):
     # BDF's `control_sensitivities` (the default, up to 100 directions): the solves
     # that give a gradient choose their steps by the sensitivities' errors too, as
     # AMICI's do. At rtol 1e-6 the gradient is 1.2e-7 off its converged value with
-    # them, 1.2e-6 along the state's steps alone.
+    # them, 1.2e-6 along the state's steps alone, and 4e-8 by the adjoint of a
+    # solve at 1e-8.
     path = small_problem(tmp_path / "small")
     tight = sciflat.petab_problem(path, rtol=1e-13, atol=1e-15)
     p, re = sciflat.destructure(tight.nominal, dtype=jnp.float64)
     ref = jax.grad(lambda x: tight.nll(re(x)))(p)
     errors = {}
-    for control in (True, False):
+    for control in (True, False, "adjoint"):
         problem = sciflat.petab_problem(
             path,
             rtol=1e-6,
             atol=1e-8,
-            solver=sciflat.BDF(control_sensitivities=control),
+            solver=sciflat.BDF(
+                control_sensitivities=control is not False,
+                adjoint=control == "adjoint",
+            ),
         )
         f = lambda x, problem=problem: problem.nll(re(x))
         value, grad = jax.value_and_grad(f)(p)
@@ -1137,6 +1153,9 @@ def test_bdf_gradients_converge_with_the_tolerances_as_the_values(tmp_path):
         else:
             np.testing.assert_allclose(value, f(p), rtol=1e-5)
     assert errors[True] < 4e-7 < 6e-7 < errors[False]
+    # The adjoint of a solve 100 times tighter (the default from 20 species) in
+    # place of the control: the state's steps alone, and closer still.
+    assert errors["adjoint"] < errors[True] / 2
 
 
 @pytest.mark.slow  # compiles the small problem's sensitivities 5 times: seconds

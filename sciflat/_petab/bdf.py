@@ -57,6 +57,13 @@ _BIAS = (6.0, 6.0, 10.0)
 # by default: beyond, the steps the control asks multiply (Lang et al. 2024's 261:
 # its gradient's solve more than 13 times as long).
 CONTROL_UP_TO = 100
+# From this many species on, reverse mode is the adjoint of the steps by default, its
+# solve `ADJOINT_TIGHTER` times tighter where it stands in for the control of the
+# sensitivities' errors: more accurate than the control on the seven problems
+# measured, and 3.8-3.9 times faster on Laske (34 species) and Lucarelli (33), as
+# fast on Bachmann (25); slower on the small models (Schwen, Fiedler, Boehm).
+ADJOINT_FROM_STATES = 20
+ADJOINT_TIGHTER = 100.0
 # Newton's products `inverse @ x` as products and sums below this many species (XLA
 # fuses them with their neighbours; as a batched dot, one kernel of its own, Schwen's
 # 19 conditions of 11 species took 23.9 ms an llh against 19.4), as a dot from it on
@@ -92,15 +99,18 @@ class BDF:
       controlled where the simulation reads at most `CONTROL_UP_TO` (100) of the
       estimated parameters; with more, along the state's steps (Lang et al. 2024,
       261 of them: its gradient took 28 s along the state's steps, and more than
-      6 minutes controlled).
-    - `adjoint`: where the derivatives follow the state's steps, `jax.grad` of
-      `nll` by the discrete adjoint of those steps (one transposed linear solve an
-      accepted step, whatever the number of parameters: Lang et al. 2024's gradient
-      1.4 s against 28 s, the same to 1e-15 in norm) instead of one direction per
-      parameter. `nll` then has no forward mode (`jax.jvp`, `jax.hessian`;
-      `residuals` keeps it). `None` (the default): where the simulation reads more
-      than `CONTROL_UP_TO` parameters; `True`: wherever the derivatives follow the
-      state's steps; `False`: never.
+      6 minutes controlled). (`jax.grad` of `nll` from 20 species: `adjoint`.)
+    - `adjoint`: `jax.grad` of `nll` by the discrete adjoint of the solve's steps
+      (one transposed linear solve an accepted step, whatever the number of
+      parameters) instead of one direction per parameter. Where the sensitivities'
+      errors would be controlled, the adjoint's solve runs at tolerances
+      `ADJOINT_TIGHTER` (100) times tighter instead (its steps the state's alone);
+      where they are not, at the problem's (the same derivatives as forward mode
+      along the state's steps: Lang et al. 2024's gradient 1.4 s against 28 s).
+      `nll` then has no forward mode (`jax.jvp`, `jax.hessian`; `residuals` and
+      `problem.uncertainty` keep it). `None` (the default): for models of
+      `ADJOINT_FROM_STATES` (20) species or more, or simulations that read more
+      than `CONTROL_UP_TO` parameters; `True`: always; `False`: never.
     """
 
     max_order: int = 5
@@ -130,11 +140,11 @@ class BDF:
             return n_directions <= CONTROL_UP_TO
         return self.control_sensitivities
 
-    def reverse(self, n_directions: int) -> bool:
-        """Whether `jax.grad` of `nll` runs the adjoint of the steps (where they
-        do not control the sensitivities), for `n_directions` parameters read."""
+    def reverse(self, n_directions: int, n_states: int) -> bool:
+        """Whether `jax.grad` of `nll` runs the adjoint of the steps, for a model of
+        `n_states` species whose simulation reads `n_directions` parameters."""
         if self.adjoint is None:
-            return n_directions > CONTROL_UP_TO
+            return n_directions > CONTROL_UP_TO or n_states >= ADJOINT_FROM_STATES
         return self.adjoint
 
 

@@ -34,7 +34,7 @@ except ImportError:  # pragma: no cover (the `petab` extra installs them)
         'sciflat\'s PEtab reader needs diffrax: pip install "sciflat[petab]".'
     ) from None
 
-from .bdf import BDF, bdf_adjoint, bdf_solve
+from .bdf import ADJOINT_TIGHTER, BDF, bdf_adjoint, bdf_solve
 from .controller import RejectionLimit
 
 
@@ -354,11 +354,15 @@ class Objective:
         self.solve_with_sensitivities = forward_sensitivities(
             solve, self._bdf_sensitivities if controlled else None, self._dynamic
         )
-        # `nll`'s solve: in reverse mode the adjoint of the steps where the
-        # sensitivities follow them (`BDF.adjoint`).
+        # `nll`'s solve: in reverse mode the adjoint of the steps (`BDF.adjoint`),
+        # at tighter tolerances where it stands in for the sensitivities' control.
         self._solve_reverse = self.solve_with_sensitivities
-        if stepping and not controlled and solver.reverse(len(self._dynamic)):
-            self._solve_reverse = self._with_adjoint(solve)
+        if stepping:
+            k = jax.ShapeDtypeStruct((self._constant_index.shape[1],), jnp.float32)
+            n_states = jax.eval_shape(formulas.x0, k).shape[0]
+            if solver.reverse(len(self._dynamic), n_states):
+                tighter = ADJOINT_TIGHTER if controlled else 1.0
+                self._solve_reverse = self._with_adjoint(solve, tighter)
 
     def with_tolerances(self, rtol: float, atol: float) -> "Objective":
         """The same problem solved at other tolerances: the step-size controller's,
@@ -497,9 +501,16 @@ class Objective:
         return derivatives or n_states >= BDF_IN_TURN_FROM_STATES
 
     def _bdf_solve(
-        self, constants: Array, x0: Array, ts: npt.NDArray[np.float64], **kw: Any
+        self,
+        constants: Array,
+        x0: Array,
+        ts: npt.NDArray[np.float64],
+        rtol: Any = None,
+        atol: Any = None,
+        **kw: Any,
     ) -> Any:
-        """`bdf_solve` of a batch of conditions with this problem's settings."""
+        """`bdf_solve` of a batch of conditions with this problem's settings (or
+        other tolerances)."""
         rhs = self.formulas.rhs
         return bdf_solve(
             rhs,
@@ -507,8 +518,8 @@ class Objective:
             constants,
             x0,
             ts,
-            self.rtol,
-            self.atol,
+            self.rtol if rtol is None else rtol,
+            self.atol if atol is None else atol,
             self._max_steps,
             self._solver.max_order,
             **kw,
@@ -565,18 +576,21 @@ class Objective:
         jac = jnp.moveaxis(dys, 0, -1) / size  # (C, T, n, P)
         return ys, jnp.all(ok), columns(jac, index, len(linear))
 
-    def _with_adjoint(self, solve: Callable) -> Callable:
+    def _with_adjoint(self, solve: Callable, tighter: float) -> Callable:
         """`solve(linear) -> (ys, ok)` whose reverse mode is the discrete adjoint of
         `BDF`'s steps (`bdf_adjoint`: one transposed solve an accepted step, however
         many parameters; Lang et al. 2024's gradient 1.4 s, 28 s by forward mode
-        along the same steps). A `jax.custom_vjp`: no forward mode (`jax.jvp`,
-        `jax.hessian`), which `residuals` keeps. The solves with a derivative take
+        along the same steps), the solve it differentiates at tolerances `tighter`
+        times the problem's. A `jax.custom_vjp`: no forward mode (`jax.jvp`,
+        `jax.hessian`), which `residuals` keep. The solves with a derivative take
         the conditions in turn, each keeping the record of its attempts that the
         adjoint reads."""
         index, ts = self._dynamic, self.tables.union_times
+        tolerances = {"rtol": self.rtol / tighter, "atol": self.atol / tighter}
 
         def kept_solve(a: tuple[Array, Array]) -> Any:
-            ys, ok, kept = self._bdf_solve(a[0][None], a[1][None], ts, record=True)
+            k, x = a[0][None], a[1][None]
+            ys, ok, kept = self._bdf_solve(k, x, ts, record=True, **tolerances)
             return ys[0], ok[0], kept
 
         def forward(linear: Array) -> Any:
@@ -653,8 +667,10 @@ class Objective:
             )
         return ht, jnp.asarray(yt), jac
 
-    def nll(self, model: dict[str, Any]) -> Scalar:
-        return self.data_nll(model) + self.neg_log_prior(model)
+    def nll(self, model: dict[str, Any], reverse: bool = True) -> Scalar:
+        """−log L and −log prior; `reverse=False`: its solve differentiated in forward
+        mode too (for a Hessian), not by the adjoint."""
+        return self.data_nll(model, reverse) + self.neg_log_prior(model)
 
     def _values(self, model: dict[str, Any]) -> tuple[Array, Array]:
         """The estimated parameters on their scales and linear."""
@@ -666,8 +682,8 @@ class Objective:
         """−log of the objective priors' densities (PEtab v1; 0 without priors)."""
         return neg_log_prior(self.tables.parameters.priors, *self._values(model))
 
-    def data_nll(self, model: dict[str, Any]) -> Scalar:
-        terms = self.terms(model, reverse=True)
+    def data_nll(self, model: dict[str, Any], reverse: bool = True) -> Scalar:
+        terms = self.terms(model, reverse)
         ht, yt, jac = self.transformed(terms["h"])
         sigma = terms["sigma"]
         r = (yt - ht) / sigma

@@ -122,6 +122,10 @@ class PetabProblem:
         self.n_data: int = tables.n_data
         # jit by identity: one compilation per problem, shared by every fit.
         self.nll = strongly_typed(jax.jit(self._nll))
+        # The same, with forward mode where `nll`'s gradient is an adjoint (`BDF`'s
+        # `adjoint`): for the Hessian of `uncertainty`.
+        forward = lambda model: objective.nll(model, reverse=False)
+        self._nll_forward = strongly_typed(jax.jit(forward))
         self.residuals = strongly_typed(jax.jit(self._residuals))
         self._neg_log_prior = strongly_typed(jax.jit(objective.neg_log_prior))
         # `check_tolerances`' program: the tolerances are its inputs, so that the
@@ -384,7 +388,7 @@ class PetabProblem:
         """
         if getattr(result, "re", None) is None:
             raise ValueError("`result` has no `re`: pass what a sciflat fit returned.")
-        return hessian_uncertainty(result, self.nll, scale="nll")
+        return hessian_uncertainty(result, self._nll_forward, scale="nll")
 
 
 def petab_problem(
