@@ -69,6 +69,10 @@ ADJOINT_TIGHTER = 100.0
 # 19 conditions of 11 species took 23.9 ms an llh against 19.4), as a dot from it on
 # (SalazarCavazos's 75 species: 91.7 ms as a dot, 99.9 as sums).
 _DOT_FROM_STATES = 20
+# `bdf_adjoint` runs the attempts backwards in blocks of at most this many, their
+# Newton matrices (conditions times species squared each) at most this many entries.
+_ADJOINT_BLOCK = 64
+_ADJOINT_BLOCK_ENTRIES = 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +150,27 @@ class BDF:
         if self.adjoint is None:
             return n_directions > CONTROL_UP_TO or n_states >= ADJOINT_FROM_STATES
         return self.adjoint
+
+
+# What `bdf_solve(..., record=True)` keeps of each attempt after its state: whether
+# it was accepted, its order, the corrector's `c`, its time and step, whether the
+# differences were rescaled after it, to which order and by which factor.
+_RECORD = (
+    "accepted", "order", "c", "t_new", "h", "rescale", "order_next", "factor"
+)  # fmt: skip
+
+
+def _record_rows(rows: jax.Array, n: int) -> dict[str, jax.Array]:
+    """The record's rows `(..., n + 8)` as named arrays (`y` and `_RECORD`)."""
+    out = {"y": rows[..., :n]}
+    for i, key in enumerate(_RECORD):
+        col = rows[..., n + i]
+        if key in ("accepted", "rescale"):
+            col = col != 0
+        elif key in ("order", "order_next"):
+            col = col.astype(jnp.int32)
+        out[key] = col
+    return out
 
 
 def _coefficients(dtype: Any) -> tuple[Any, Any, Any]:
@@ -241,8 +266,9 @@ def bdf_solve(
     along the state's steps, their error not controlled.
 
     `record` (without `tangents`): also returns what `bdf_adjoint` needs to
-    differentiate the solve in reverse mode, each attempt's corrector solution and
-    choices (`max_steps` rows of each: the attempts cannot outnumber them)."""
+    differentiate the solve in reverse mode: a row for each attempt, its corrector's
+    solution and its choices (`_RECORD`), `max_steps` rows (the attempts cannot
+    outnumber them)."""
     dtype = y0.dtype
     n_cond, n = y0.shape
     eps = float(jnp.finfo(dtype).eps)
@@ -699,36 +725,24 @@ def bdf_solve(
         if tangents is not None:
             raise ValueError("`record` is for the plain solve (no `tangents`).")
         # The plain solve's two loops, each attempt written to the record.
-        rows_of = dict(
-            y=((n,), dtype),
-            accepted=((), bool),
-            order=((), jnp.int32),
-            c=((), dtype),
-            t_new=((), dtype),
-            h=((), dtype),
-            rescale=((), bool),
-            order_next=((), jnp.int32),
-            factor=((), dtype),
-        )
-        book = {
-            k: jnp.zeros((max_steps, n_cond, *shape), kind)
-            for k, (shape, kind) in rows_of.items()
-        }
+        # One row an attempt, its numbers side by side (one update of the record
+        # an attempt, not one for each): `_RECORD` after the state `y`.
+        book = jnp.zeros((max_steps, n_cond, n + len(_RECORD)), dtype)
 
         def attempt_kept(carry):
             s, book = carry
             (_, corr), tr = trial(s, s["d"], constants)
             (d, d_acc), rest, made = finish_made(s, tr, None, s["d"], corr)
-            row = dict(
+            made = dict(
                 made,
-                y=tr["y_new"],
                 order=s["order"],
                 c=s["h"] / alpha[s["order"]],
                 t_new=tr["t_new"],
                 h=s["h"],
             )
-            i = s["attempts"]
-            book = {k: book[k].at[i].set(row[k].astype(book[k].dtype)) for k in book}
+            numbers = jnp.stack([made[k].astype(dtype) for k in _RECORD], axis=1)
+            row = jnp.concatenate([tr["y_new"], numbers], axis=1)
+            book = book.at[s["attempts"]].set(row)
             return dict(rest, d=d, d_acc=d_acc), book
 
         def steps_kept(carry):
@@ -746,7 +760,7 @@ def bdf_solve(
             steps_kept,
             (dict(rest, d=d, d_acc=d), book, ys, source),
         )
-        kept = {**book, "attempts": state["attempts"], "h0": rest["h"]}
+        kept = {"rows": book, "attempts": state["attempts"], "h0": rest["h"]}
         kept["source"] = jnp.asarray(source)
         out = (ys,)
     elif tangents is None:
@@ -898,22 +912,20 @@ def bdf_adjoint(
         lam_d = lam_d.at[:, 0].add(jnp.sum(bar, axis=1))
         return lam_d.at[:, 1:6].add(jnp.einsum("ctj,ctn->cjn", p, bar))
 
-    def corrector(r, lam_corr):
-        """μ = (I - c J(y))⁻ᵀ ȳ and its share of `constants`' cotangent."""
-        t_new, y, c = r["t_new"], r["y"], r["c"]
-        jac = jax.vmap(jacobian)(t_new, y, constants)
-        w = jnp.eye(n, dtype=dtype) - c[:, None, None] * jac
-        w = jnp.where(r["accepted"][:, None, None], w, jnp.eye(n, dtype=dtype))
-        mu = jnp.linalg.solve(jnp.swapaxes(w, 1, 2), lam_corr[..., None])[..., 0]
-        _, pull = jax.vjp(lambda k: f_b(t_new, y, k), constants)
-        (k_bar,) = pull(c[:, None] * mu)
-        return mu, k_bar
+    def corrector(factors, lam_corr):
+        """μ = (I - c J(y))⁻ᵀ ȳ, from the LU factors of `(I - c J(y))ᵀ`."""
+        lu, perm = factors
+        x = jnp.take_along_axis(lam_corr, perm, axis=1)[..., None]
+        x = jax.lax.linalg.triangular_solve(
+            lu, x, left_side=True, lower=True, unit_diagonal=True
+        )
+        x = jax.lax.linalg.triangular_solve(lu, x, left_side=True, lower=False)
+        return x[..., 0]
 
-    def back(carry):
-        i, lam, k_bar = carry
-        r = {
-            key: kept[key][i] for key in kept if key not in ("source", "attempts", "h0")
-        }
+    def back(i, r, factors, lam):
+        """Attempt `i` (its record `r`, the factors of its transposed Newton
+        matrix) run backwards: the differences' cotangent before it, and the
+        cotangent of its corrector's `c f(t, y, k)` (for `constants`')."""
         # The rescaling to the next step, then the outputs read before it.
         _, pull = jax.vjp(lambda d: change(d, r["order_next"], r["factor"]), zeros_d)
         lam = jnp.where(r["rescale"][:, None, None], pull(lam)[0], lam)
@@ -927,12 +939,8 @@ def bdf_adjoint(
         lam = jnp.where(acc[:, None, None], lam_acc, lam)
         lam_corr = jnp.where(acc[:, None], lam_corr, 0)
         # corr = y - y_pred, y the corrector's solution from y_pred, psi and k.
-        mu, k_i = jax.lax.cond(
-            jnp.any(acc),
-            corrector,
-            lambda r, x: (zeros_y, jnp.zeros_like(constants)),
-            r,
-            lam_corr,
+        mu = jax.lax.cond(
+            jnp.any(acc), corrector, lambda f, x: zeros_y, factors, lam_corr
         )
         lam_pred, lam_psi = mu - lam_corr, -mu
         order = r["order"]
@@ -944,11 +952,51 @@ def bdf_adjoint(
         g = jnp.where(below & (rows[None, :] >= 1) & (rows[None, :] <= 5), g, 0)
         lam = lam + jnp.where(below[:, :, None], lam_pred[:, None, :], 0)
         lam = lam + g[:, :, None] * lam_psi[:, None, :]
-        return i - 1, lam, k_bar + jnp.where(acc[:, None], k_i, 0)
+        return lam, jnp.where(acc[:, None], r["c"][:, None] * mu, 0)
+
+    # The attempts from the last to the first, a block of them at a time. What
+    # does not depend on the cotangents runs for the whole block at once: before
+    # its attempts run backwards, the Jacobians at their accepted steps and the LU
+    # factors of their transposed Newton matrices; after, the correctors' share of
+    # `constants`' cotangent, `(c ∂f/∂k)ᵀ μ`, which is linear in the μ the loop
+    # found. The loop itself runs two triangular solves an accepted step.
+    size = int(min(_ADJOINT_BLOCK, max(1, _ADJOINT_BLOCK_ENTRIES // (n_cond * n * n))))
+    size = min(size, kept["rows"].shape[0])
+    eye = jnp.eye(n, dtype=dtype)
+
+    def pull_k(t, y, bar):
+        return jax.vjp(lambda k: f_b(t, y, k), constants)[1](bar)[0]
+
+    def block(carry):
+        end, lam, k_bar = carry
+        start = jnp.maximum(end - size + 1, 0)
+        part = _record_rows(jax.lax.dynamic_slice_in_dim(kept["rows"], start, size), n)
+        # Rows past `end` (the block clipped at the first attempt) and those of
+        # rejected attempts are masked: their records may be anything.
+        mine = part["accepted"] & (jnp.arange(size) <= end - start)[:, None]
+        k_b = jnp.broadcast_to(constants, (size, *constants.shape))
+        jac = jax.vmap(jax.vmap(jacobian))(part["t_new"], part["y"], k_b)
+        w = eye - part["c"][..., None, None] * jac
+        w = jnp.where(mine[..., None, None], w, eye)
+        lu, _, perm = jax.lax.linalg.lu(jnp.swapaxes(w, -1, -2))
+
+        def one(c):
+            j, lam, bars = c
+            r = {key: value[j] for key, value in part.items()}
+            lam, bar = back(start + j, r, (lu[j], perm[j]), lam)
+            return j - 1, lam, bars.at[j].set(bar)
+
+        bars = jnp.zeros((size, n_cond, n), dtype)
+        _, lam, bars = jax.lax.while_loop(
+            lambda c: c[0] >= 0, one, (end - start, lam, bars)
+        )
+        from_k = jax.vmap(pull_k)(part["t_new"], part["y"], bars)
+        k_bar = k_bar + jnp.sum(jnp.where(mine[..., None], from_k, 0), axis=0)
+        return start - 1, lam, k_bar
 
     _, lam, k_bar = jax.lax.while_loop(
         lambda c: c[0] >= 0,
-        back,
+        block,
         (kept["attempts"] - 1, zeros_d, jnp.zeros_like(constants)),
     )
     # The start: d[0] = y0, d[1] = h0 f(0, y0, k), and the outputs at t <= 0.
