@@ -1123,6 +1123,32 @@ def test_bdf_conditions_in_one_batch_or_in_turn_are_the_same_solves(small):
     np.testing.assert_allclose(got[False][2], got[True][2], rtol=1e-12, atol=1e-15)
 
 
+@pytest.mark.parametrize("n_cond", [1, 2, 3, 4, 5, 7, 9, 36])
+def test_conditions_solved_in_chunks_come_back_in_their_order(n_cond):
+    # `nll`'s solves in turn go a few conditions at a time (`BDF_CHUNK`), the chunks
+    # of one size, the last padded with copies of the last condition: every
+    # condition's solution comes back once, in its place, the padding dropped.
+    from sciflat._petab.objective import BDF_CHUNK, _in_chunks
+
+    rng = np.random.default_rng(n_cond)
+    # (small integers: the fake solve's products are exact in any program)
+    constants = jnp.asarray(rng.integers(-5, 5, (n_cond, 3)), jnp.float64)
+    x0 = jnp.asarray(rng.integers(-5, 5, (n_cond, 2)), jnp.float64)
+    sizes = []
+
+    def solve(k, x):  # a batch's "solutions": (C, T, n), and whether each is fine
+        sizes.append(k.shape[0])
+        ys = x[:, None, :] * jnp.arange(1.0, 5.0)[None, :, None] + k[:, :1, None]
+        return ys, jnp.all(jnp.isfinite(ys), axis=(1, 2)) & (k[:, 1] > -9)
+
+    ys, ok = jax.jit(lambda k, x: _in_chunks(solve, k, x, BDF_CHUNK))(constants, x0)
+    want, want_ok = solve(constants, x0)
+    np.testing.assert_array_equal(ys, want)
+    np.testing.assert_array_equal(ok, want_ok)
+    chunk = sizes[0]
+    assert chunk <= BDF_CHUNK and -(-n_cond // chunk) == -(-n_cond // BDF_CHUNK)
+
+
 @pytest.mark.slow  # reads the small problem thrice and compiles its gradients
 def test_bdf_gradients_converge_with_the_tolerances_as_the_values(tmp_path):
     # BDF's `control_sensitivities` (the default, up to 100 directions): the solves
