@@ -18,8 +18,9 @@ of the step's error tolerance (SciPy: `min(0.03, sqrt(rtol))`).
 `bdf_solve` takes a batch of conditions: each has its own time, step size, order and
 matrices; a Jacobian or a Newton matrix is computed (for the whole batch) only in the
 attempts where some condition needs one. (The PEtab objective passes a large
-model's conditions a few at a time, so that each computes its matrices about when it
-needs them, and a small model's as one batch, which shares the loop's kernels.) The
+model's conditions a few at a time, so that a batch rebuilds its matrices only
+when one of a few conditions needs them, and a small model's as one batch, which
+shares the loop's kernels.) The
 solution at the measurement times is the BDF's own interpolating polynomial (as
 CVODES's `CVodeGetDky`), so the steps need not end on them.
 

@@ -38,7 +38,8 @@ from .bdf import ADJOINT_TIGHTER, BDF, bdf_adjoint, bdf_solve
 from .controller import RejectionLimit
 
 
-# From this many species on, `BDF` solves the conditions one after the other.
+# From this many species on, `BDF` solves the conditions in turn (`nll`'s a few at a
+# time: `BDF_CHUNK`).
 BDF_IN_TURN_FROM_STATES = 20
 # `nll`'s solves in turn take up to this many conditions together (one batch, one
 # loop over their steps), in chunks of equal size: the loop's kernels, which cost a
@@ -751,6 +752,8 @@ def _in_chunks(solve: Callable, constants: Array, x0: Array, most: int) -> Any:
     condition, whose solutions are dropped): `(C, T, n)`, `(C,)`."""
     n_cond = x0.shape[0]
     chunks = -(-n_cond // most)
+    if chunks == 1:
+        return solve(constants, x0)
     size = -(-n_cond // chunks)
     pad = chunks * size - n_cond
 
