@@ -5,6 +5,8 @@ central differences of tight solves, its reverse mode (the adjoint of its steps)
 against its forward mode, its matrices kept over many steps, a blow-up reported as a
 failure, and the state's dtype throughout."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -127,12 +129,22 @@ def adjoint_and_forward(x64):
     def plain(k, y0):
         return bdf_solve(f, jac, k, y0, ts, 1e-8, 1e-10, 100_000)[0]
 
-    @jax.jit
-    def adjoint(k, y0, ys_bar):
-        ys, ok, kept = bdf_solve(f, jac, k, y0, ts, 1e-8, 1e-10, 100_000, record=True)
-        return ys, ok, bdf_adjoint(f, jac, k, y0, ts, kept, ys_bar)
-
+    adjoint = jax.jit(_recorded_adjoint(f, jac, ts))
     return jax.jit(plain), adjoint, jax.jit(jax.jacfwd(plain, argnums=(0, 1)))
+
+
+def _recorded_adjoint(f, jac, ts):
+    """`(k, y0, ys_bar) -> (ys, ok, (k_bar, y0_bar), attempts)`: the recorded solve
+    and its adjoint."""
+
+    def adjoint(k, y0, ys_bar):
+        solve = functools.partial(bdf_solve, f, jac, k, y0, ts, 1e-8, 1e-10, 100_000)
+        ys, ok, kept = solve(record=True)
+        replay = lambda point: solve(resume=point)
+        bars = bdf_adjoint(f, jac, k, y0, ts, kept, ys_bar, replay)
+        return ys, ok, bars, kept["attempts"]
+
+    return adjoint
 
 
 @pytest.mark.slow  # compiles the recorded solve, its adjoint and forward mode: seconds
@@ -152,7 +164,7 @@ def test_the_adjoint_of_the_steps_is_the_transpose_of_forward_mode(
     k = jnp.asarray(stiffness)[:, None]
     y0 = jnp.asarray(rng.uniform(-2, 2, (len(stiffness), 2)))
     ys_bar = jnp.asarray(rng.standard_normal((len(stiffness), 5, 2)))
-    ys, ok, (k_bar, y0_bar) = adjoint(k, y0, ys_bar)
+    ys, ok, (k_bar, y0_bar), _ = adjoint(k, y0, ys_bar)
     assert bool(jnp.all(ok))
     np.testing.assert_array_equal(ys, plain(k, y0))  # the record changes nothing
     dk, dy0 = forward(k, y0)  # (C, T, n, C, 1), (C, T, n, C, 2)
@@ -161,6 +173,43 @@ def test_the_adjoint_of_the_steps_is_the_transpose_of_forward_mode(
     )
     np.testing.assert_allclose(
         y0_bar, jnp.einsum("ctn,ctnab->ab", ys_bar, dy0), rtol=1e-9, atol=1e-11
+    )
+
+
+@pytest.mark.slow  # compiles the recorded solve and its adjoint twice: seconds
+def test_an_adjoint_of_many_segments_runs_them_again_from_their_starts(
+    adjoint_and_forward, monkeypatch
+):
+    # The record keeps the rows of the last segment of attempts (`_SEGMENT`) and
+    # the solve's state at the start of each; the adjoint runs the earlier segments
+    # again from there. Segments of 16 attempts (a dozen or more of them here): the
+    # same outputs and derivatives as one segment, and forward mode's.
+    from sciflat._petab import bdf
+
+    _, one_segment, forward = adjoint_and_forward
+    rng = np.random.default_rng(3)
+    k = jnp.array([[2.0], [25.0]])
+    y0 = jnp.asarray(rng.uniform(-2, 2, (2, 2)))
+    ys_bar = jnp.asarray(rng.standard_normal((2, 5, 2)))
+    ys, ok, want, attempts = one_segment(k, y0, ys_bar)
+    assert bool(jnp.all(ok)) and int(attempts) < bdf._SEGMENT
+    monkeypatch.setattr(bdf, "_SEGMENT", 16)
+    f, jac = forced_oscillator, jax.jacfwd(forced_oscillator, argnums=1)
+    ts = np.array([0.0, 0.3, 1.1, 2.0, 3.5])
+    got_ys, got_ok, got, got_attempts = jax.jit(_recorded_adjoint(f, jac, ts))(
+        k, y0, ys_bar
+    )
+    assert int(got_attempts) == int(attempts) > 10 * 16
+    np.testing.assert_array_equal(got_ys, ys)
+    np.testing.assert_array_equal(got_ok, ok)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-13, atol=1e-15)
+    dk, dy0 = forward(k, y0)
+    np.testing.assert_allclose(
+        got[0], jnp.einsum("ctn,ctnab->ab", ys_bar, dk), rtol=1e-9, atol=1e-11
+    )
+    np.testing.assert_allclose(
+        got[1], jnp.einsum("ctn,ctnab->ab", ys_bar, dy0), rtol=1e-9, atol=1e-11
     )
 
 
@@ -251,8 +300,10 @@ def test_bdf_computes_in_the_states_dtype(x64):
     ts = np.array([0.0, 1.0, 10.0])
 
     def back(k, y):
-        ys, _, kept = bdf_solve(f, jac, k, y, ts, 1e-4, 1e-6, 1000, record=True)
-        return bdf_adjoint(f, jac, k, y, ts, kept, jnp.ones_like(ys))
+        solve = functools.partial(bdf_solve, f, jac, k, y, ts, 1e-4, 1e-6, 1000)
+        ys, _, kept = solve(record=True)
+        replay = lambda point: solve(resume=point)
+        return bdf_adjoint(f, jac, k, y, ts, kept, jnp.ones_like(ys), replay)
 
     _, y_bar = jax.jit(back)(k, y0)
     assert y_bar.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(y_bar)))

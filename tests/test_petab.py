@@ -455,6 +455,30 @@ def test_the_adjoint_gradient_is_the_forward_gradient_along_the_same_steps(tmp_p
     assert bool(jnp.all(jnp.isfinite(errors[0])))
 
 
+@pytest.mark.slow  # compiles the small problem's adjoint twice: seconds
+def test_the_adjoint_in_segments_and_chunks_is_the_adjoint_in_one(
+    tmp_path, monkeypatch
+):
+    # The adjoint's solves keep the rows of the last segment of their attempts and
+    # the state at the start of each, running the earlier ones again backwards;
+    # they take the conditions a few at a time. Segments of 8 attempts and one
+    # condition at a time: the same value and gradient as one segment, one batch.
+    from sciflat._petab import bdf, objective
+
+    path = small_problem(tmp_path / "small", measurements=NORMAL_MEASUREMENTS)
+    solver = sciflat.BDF(control_sensitivities=False, adjoint=True)
+    one = sciflat.petab_problem(path, rtol=1e-9, atol=1e-11, solver=solver)
+    p, re = sciflat.destructure(one.nominal, dtype=jnp.float64)
+    want = jax.jit(jax.value_and_grad(lambda x: one.nll(re(x))))(p)
+    monkeypatch.setattr(bdf, "_SEGMENT", 8)
+    monkeypatch.setattr(objective, "ADJOINT_CHUNK_ENTRIES", 1)
+    many = sciflat.petab_problem(path, rtol=1e-9, atol=1e-11, solver=solver)
+    got = jax.jit(jax.value_and_grad(lambda x: many.nll(re(x))))(p)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-14)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-12, atol=1e-14)
+    assert float(jnp.max(jnp.abs(want[1]))) > 1
+
+
 NORMAL_MEASUREMENTS = [m for m in SMALL_MEASUREMENTS if m[0] != "obsC"]
 # Normal priors, one on the linear value and one on the parameter's scale: residuals.
 NORMAL_PRIORS = [
@@ -1128,7 +1152,7 @@ def test_conditions_solved_in_chunks_come_back_in_their_order(n_cond):
     # `nll`'s solves in turn go a few conditions at a time (`BDF_CHUNK`), the chunks
     # of one size, the last padded with copies of the last condition: every
     # condition's solution comes back once, in its place, the padding dropped.
-    from sciflat._petab.objective import BDF_CHUNK, _in_chunks
+    from sciflat._petab.objective import BDF_CHUNK, _Chunks, _in_chunks
 
     rng = np.random.default_rng(n_cond)
     # (small integers: the fake solve's products are exact in any program)
@@ -1147,6 +1171,12 @@ def test_conditions_solved_in_chunks_come_back_in_their_order(n_cond):
     np.testing.assert_array_equal(ok, want_ok)
     chunk = sizes[0]
     assert chunk <= BDF_CHUNK and -(-n_cond // chunk) == -(-n_cond // BDF_CHUNK)
+    # (The adjoint's cotangents are padded with zeros.)
+    chunks = _Chunks.of(n_cond, BDF_CHUNK)
+    split = chunks.split(x0, pad=0.0)
+    assert split.shape == (chunks.number, chunk, 2)
+    np.testing.assert_array_equal(chunks.joined(split), x0)
+    assert not np.any(split.reshape(-1, 2)[n_cond:])
 
 
 @pytest.mark.slow  # reads the small problem thrice and compiles its gradients

@@ -74,6 +74,13 @@ _DOT_FROM_STATES = 20
 # Newton matrices (conditions times species squared each) at most this many entries.
 _ADJOINT_BLOCK = 64
 _ADJOINT_BLOCK_ENTRIES = 2**20
+# `bdf_solve(..., record=True)` keeps the rows of at most this many attempts (the
+# last segment of the solve), and the state at the start of each segment, from which
+# `bdf_adjoint` runs the earlier segments again (as CVODES's adjoint keeps
+# checkpoints): its memory is this many rows, not `max_steps` (Bachmann et al.
+# 2011's gradient, 36 conditions of 25 species, allocated 950 MB for a record of
+# 100,000 attempts, of which it needs 3,700).
+_SEGMENT = 8192
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,6 +256,7 @@ def bdf_solve(
     with_stats: bool = False,
     tangents: tuple[jax.Array, jax.Array] | None = None,
     record: bool = False,
+    resume: dict[str, jax.Array] | None = None,
 ) -> Any:
     """Solves `dy/dt = rhs(t, y, k)` from `t = 0` for a batch of conditions
     (`constants`: `(C, k)`, `y0`: `(C, n)`) and returns the solution at `ts`
@@ -268,8 +276,10 @@ def bdf_solve(
 
     `record` (without `tangents`): also returns what `bdf_adjoint` needs to
     differentiate the solve in reverse mode: a row for each attempt, its corrector's
-    solution and its choices (`_RECORD`), `max_steps` rows (the attempts cannot
-    outnumber them)."""
+    solution and its choices (`_RECORD`). The record holds one segment of at most
+    `_SEGMENT` attempts, the last; where the solve may take more (`max_steps`), it
+    also keeps the solve's state at the start of each segment (`points`), from
+    which `resume=` one of them runs that segment again and returns its rows."""
     dtype = y0.dtype
     n_cond, n = y0.shape
     eps = float(jnp.finfo(dtype).eps)
@@ -722,13 +732,16 @@ def bdf_solve(
         return going(s) & ~jnp.any(s["pending"])
 
     kept: dict[str, jax.Array] = {}
-    if record:
+    if record or resume is not None:
         if tangents is not None:
             raise ValueError("`record` is for the plain solve (no `tangents`).")
-        # The plain solve's two loops, each attempt written to the record.
-        # One row an attempt, its numbers side by side (one update of the record
-        # an attempt, not one for each): `_RECORD` after the state `y`.
-        book = jnp.zeros((max_steps, n_cond, n + len(_RECORD)), dtype)
+        # The plain solve's two loops, each attempt written to the record: a
+        # segment of `rows` attempts at a time (`_SEGMENT`), into a record of that
+        # many rows, the solve's state kept at the start of each segment. One row
+        # an attempt, its numbers side by side (one update of the record an
+        # attempt, not one for each): `_RECORD` after the state `y`.
+        rows_kept = min(_SEGMENT, max_steps)
+        book = jnp.zeros((rows_kept, n_cond, n + len(_RECORD)), dtype)
 
         def attempt_kept(carry):
             s, book = carry
@@ -743,26 +756,58 @@ def bdf_solve(
             )
             numbers = jnp.stack([made[k].astype(dtype) for k in _RECORD], axis=1)
             row = jnp.concatenate([tr["y_new"], numbers], axis=1)
-            book = book.at[s["attempts"]].set(row)
+            book = book.at[s["attempts"] % rows_kept].set(row)
             return dict(rest, d=d, d_acc=d_acc), book
 
-        def steps_kept(carry):
-            s, book, ys, source = carry
-            s, book = jax.lax.while_loop(
-                lambda c: stepping(c[0]), attempt_kept, (s, book)
-            )
-            ys, source, s = passed_from(s, s["d_acc"], ys, source)
-            return s, book, ys, source
+        def segment(s, book, ys, source):
+            """The attempts from `s` (at the start of a segment) to the end of
+            the segment or of the solve, each written to `book`."""
+            limit = (s["attempts"] // rows_kept + 1) * rows_kept
 
-        (d, ys), rest = start(constants, y0)
+            def steps_kept(carry):
+                s, book, ys, source = carry
+                s, book = jax.lax.while_loop(
+                    lambda c: stepping(c[0]) & (c[0]["attempts"] < limit),
+                    attempt_kept,
+                    (s, book),
+                )
+                # (Nothing pending, at the segment's end: outputs unchanged.)
+                ys, source, s = passed_from(s, s["d_acc"], ys, source)
+                return s, book, ys, source
+
+            return jax.lax.while_loop(
+                lambda c: going(c[0]) & (c[0]["attempts"] < limit),
+                steps_kept,
+                (s, book, ys, source),
+            )
+
         source = jnp.full((n_cond, n_out), -1, jnp.int32)  # -1: y0 (t <= 0)
-        state, book, ys, source = jax.lax.while_loop(
-            lambda c: going(c[0]),
-            steps_kept,
-            (dict(rest, d=d, d_acc=d), book, ys, source),
+        if resume is not None:  # one segment again, from its start (`bdf_adjoint`)
+            ys = jnp.zeros((n_cond, n_out, n), dtype)
+            return segment(resume, book, ys, source)[1]
+        (d, ys), rest = start(constants, y0)
+        state = dict(rest, d=d, d_acc=d)
+        points = None
+        if max_steps > rows_kept:
+            n_segments = -(-max_steps // rows_kept)
+            points = jax.tree.map(
+                lambda a: jnp.zeros((n_segments, *a.shape), a.dtype), state
+            )
+
+        def segments(carry):
+            s, book, ys, source, points = carry
+            if points is not None:
+                at = s["attempts"] // rows_kept
+                points = jax.tree.map(lambda p, a: p.at[at].set(a), points, s)
+            return (*segment(s, book, ys, source), points)
+
+        state, book, ys, source, points = jax.lax.while_loop(
+            lambda c: going(c[0]), segments, (state, book, ys, source, points)
         )
         kept = {"rows": book, "attempts": state["attempts"], "h0": rest["h"]}
         kept["source"] = jnp.asarray(source)
+        if points is not None:
+            kept["points"] = points
         out = (ys,)
     elif tangents is None:
         # Two loops: the attempts (the inner loop) until a step passes a
@@ -876,6 +921,7 @@ def bdf_adjoint(
     ts: npt.NDArray[np.float64],
     kept: dict[str, jax.Array],
     ys_bar: jax.Array,
+    replay: Callable[[dict[str, jax.Array]], jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Reverse mode through a solve of `bdf_solve(..., record=True)`: the cotangents
     of `constants` `(C, k)` and `y0` `(C, n)` from those of its outputs `ys_bar`
@@ -887,7 +933,13 @@ def bdf_adjoint(
     of the forward rule, `_newton_jvp`). The step sizes, orders and matrices are
     constants, as in forward mode: the same derivatives as `jax.jvp` of the plain
     solve along the state's steps (not `tangents`' controlled ones), for the cost of
-    one transposed solve an accepted step rather than one direction per parameter."""
+    one transposed solve an accepted step rather than one direction per parameter.
+
+    The record holds the last segment of the solve's attempts; `replay(point)`
+    (`bdf_solve(..., resume=point)` with the solve's arguments) gives the rows of an
+    earlier segment from the state at its start, `kept["points"]`."""
+    if "points" in kept and replay is None:
+        raise ValueError("A record of several segments needs `replay`.")
     dtype = y0.dtype
     n_cond, n = y0.shape
     gamma, alpha, _ = _coefficients(dtype)
@@ -961,19 +1013,22 @@ def bdf_adjoint(
     # factors of their transposed Newton matrices; after, the correctors' share of
     # `constants`' cotangent, `(c ∂f/∂k)ᵀ μ`, which is linear in the μ the loop
     # found. The loop itself runs two triangular solves an accepted step.
+    # The record: the rows of one segment of the attempts, `ring` of them.
+    ring = kept["rows"].shape[0]
     size = int(min(_ADJOINT_BLOCK, max(1, _ADJOINT_BLOCK_ENTRIES // (n_cond * n * n))))
-    size = min(size, kept["rows"].shape[0])
+    size = min(size, ring)
     eye = jnp.eye(n, dtype=dtype)
 
     def pull_k(t, y, bar):
         return jax.vjp(lambda k: f_b(t, y, k), constants)[1](bar)[0]
 
     def block(carry):
-        end, lam, k_bar = carry
-        start = jnp.maximum(end - size + 1, 0)
-        part = _record_rows(jax.lax.dynamic_slice_in_dim(kept["rows"], start, size), n)
-        # Rows past `end` (the block clipped at the first attempt) and those of
-        # rejected attempts are masked: their records may be anything.
+        end, lam, k_bar, book, base = carry
+        start = jnp.maximum(end - size + 1, base)
+        part = jax.lax.dynamic_slice_in_dim(book, start - base, size)
+        part = _record_rows(part, n)
+        # Rows past `end` (the block clipped at the segment's first attempt) and
+        # those of rejected attempts are masked: their records may be anything.
         mine = part["accepted"] & (jnp.arange(size) <= end - start)[:, None]
         k_b = jnp.broadcast_to(constants, (size, *constants.shape))
         jac = jax.vmap(jax.vmap(jacobian))(part["t_new"], part["y"], k_b)
@@ -993,12 +1048,33 @@ def bdf_adjoint(
         )
         from_k = jax.vmap(pull_k)(part["t_new"], part["y"], bars)
         k_bar = k_bar + jnp.sum(jnp.where(mine[..., None], from_k, 0), axis=0)
-        return start - 1, lam, k_bar
+        return start - 1, lam, k_bar, book, base
+
+    attempts = kept["attempts"]
+    last = (attempts - 1) // ring  # the last segment; -1: no attempt
+
+    def segment(carry):
+        """The attempts of segment `j`, from the last to the first, a block of
+        them at a time: its rows are the record's (the last segment) or run again
+        from the state at its start."""
+        j, lam, k_bar = carry
+        book = kept["rows"]
+        if "points" in kept:
+
+            def again() -> jax.Array:
+                assert replay is not None  # (checked above)
+                return replay(jax.tree.map(lambda a: a[j], kept["points"]))
+
+            book = jax.lax.cond(j == last, lambda: book, again)
+        base = j * ring
+        end = jnp.minimum(attempts, base + ring) - 1
+        _, lam, k_bar, _, _ = jax.lax.while_loop(
+            lambda c: c[0] >= c[4], block, (end, lam, k_bar, book, base)
+        )
+        return j - 1, lam, k_bar
 
     _, lam, k_bar = jax.lax.while_loop(
-        lambda c: c[0] >= 0,
-        block,
-        (kept["attempts"] - 1, zeros_d, jnp.zeros_like(constants)),
+        lambda c: c[0] >= 0, segment, (last, zeros_d, jnp.zeros_like(constants))
     )
     # The start: d[0] = y0, d[1] = h0 f(0, y0, k), and the outputs at t <= 0.
     h0 = kept["h0"]

@@ -11,7 +11,7 @@ import dataclasses
 import functools as ft
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -48,6 +48,15 @@ BDF_IN_TURN_FROM_STATES = 20
 # time, and 196 ms as one batch, where every condition's matrices are rebuilt when
 # one needs them).
 BDF_CHUNK = 4
+# The adjoint's solves (with their record) and its backward runs take conditions
+# together, as `nll`'s solves, as many as keep their Newton matrices within this many
+# entries (conditions times species squared), at most `BDF_CHUNK`: one batch rebuilds
+# every condition's matrices when one needs them, which costs a larger model more
+# than the loop's kernels it shares. Gradients, ms, one condition at a time / two /
+# four: Bachmann et al. 2011 (36 conditions, 25 species) 933 / 788 / 700, Lucarelli
+# et al. 2018 (16, 33) 295 / 290 / 354, Laske et al. 2019 (3, 34) 192 / 172 / 205,
+# SalazarCavazos et al. 2020 (4, 75) 409 / 508 / 528.
+ADJOINT_CHUNK_ENTRIES = 2500
 
 
 class ReactionODE(eqx.Module):
@@ -589,31 +598,40 @@ class Objective:
         along the same steps), the solve it differentiates at tolerances `tighter`
         times the problem's. A `jax.custom_vjp`: no forward mode (`jax.jvp`,
         `jax.hessian`), which `residuals` keep. The solves with a derivative take
-        the conditions in turn, each keeping the record of its attempts that the
-        adjoint reads."""
+        the conditions a few at a time (`_adjoint_chunk`), each batch keeping the
+        record of its attempts that the adjoint reads (the last segment of them,
+        and the state at the start of each: `bdf._SEGMENT`)."""
         index, ts = self._dynamic, self.tables.union_times
         tolerances = {"rtol": self.rtol / tighter, "atol": self.atol / tighter}
 
         def kept_solve(a: tuple[Array, Array]) -> Any:
-            k, x = a[0][None], a[1][None]
-            ys, ok, kept = self._bdf_solve(k, x, ts, record=True, **tolerances)
-            return ys[0], ok[0], kept
+            return self._bdf_solve(*a, ts, record=True, **tolerances)
 
         def forward(linear: Array) -> Any:
             constants, x0 = self.initial_all(self.ext_of(linear))
-            ys, ok, kept = jax.lax.map(kept_solve, (constants, x0))
+            chunks = _Chunks.of(x0.shape[0], _adjoint_chunk(x0.shape[1]))
+            ys, ok, kept = jax.lax.map(
+                kept_solve, (chunks.split(constants), chunks.split(x0))
+            )
+            ys, ok = chunks.joined(ys), chunks.joined(ok)
             return (ys, jnp.all(ok)), (linear, constants, x0, kept)
 
         def backward(res: tuple, cotangents: tuple) -> tuple[Array]:
             linear, constants, x0, kept = res
             ys_bar = cotangents[0]
+            chunks = _Chunks.of(x0.shape[0], _adjoint_chunk(x0.shape[1]))
+            split = (chunks.split(a) for a in (constants, x0))
 
-            def one(a: tuple) -> tuple[Array, Array]:
+            def adjoint(a: tuple) -> tuple[Array, Array]:
                 k, x, kept, bar = a
-                k_bar, x_bar = self._bdf_adjoint(k[None], x[None], kept, bar[None])
-                return k_bar[0], x_bar[0]
 
-            bars = jax.lax.map(one, (constants, x0, kept, ys_bar))
+                def replay(point: dict) -> Array:  # a segment of the solve's record
+                    return self._bdf_solve(k, x, ts, resume=point, **tolerances)
+
+                return self._bdf_adjoint(k, x, kept, bar, replay)
+
+            bars = jax.lax.map(adjoint, (*split, kept, chunks.split(ys_bar, pad=0.0)))
+            bars = tuple(chunks.joined(b) for b in bars)
             pairs = lambda sub: self.initial_all(self.ext_of(linear.at[index].set(sub)))
             _, pull = jax.vjp(pairs, linear[index])
             (sub_bar,) = pull(bars)
@@ -624,12 +642,16 @@ class Objective:
         return fn
 
     def _bdf_adjoint(
-        self, constants: Array, x0: Array, kept: dict, ys_bar: Array
+        self,
+        constants: Array,
+        x0: Array,
+        kept: dict,
+        ys_bar: Array,
+        replay: Callable[[dict], Array],
     ) -> tuple[Array, Array]:
         rhs = self.formulas.rhs
-        return bdf_adjoint(
-            rhs, rhs.jacobian, constants, x0, self.tables.union_times, kept, ys_bar
-        )
+        ts = self.tables.union_times
+        return bdf_adjoint(rhs, rhs.jacobian, constants, x0, ts, kept, ys_bar, replay)
 
     # -- the noise model ----------------------------------------------------------
 
@@ -746,20 +768,44 @@ class Objective:
         return out, ok
 
 
+def _adjoint_chunk(n_states: int) -> int:
+    """The most conditions the adjoint takes together (`ADJOINT_CHUNK_ENTRIES`)."""
+    return max(1, min(BDF_CHUNK, ADJOINT_CHUNK_ENTRIES // n_states**2))
+
+
 def _in_chunks(solve: Callable, constants: Array, x0: Array, most: int) -> Any:
     """`solve(constants, x0)` of `C` conditions as `lax.map` over chunks of at most
-    `most` of them, all of one size (the last padded with copies of the last
-    condition, whose solutions are dropped): `(C, T, n)`, `(C,)`."""
-    n_cond = x0.shape[0]
-    chunks = -(-n_cond // most)
-    if chunks == 1:
+    `most` of them (`_Chunks`): `(C, T, n)`, `(C,)`."""
+    chunks = _Chunks.of(x0.shape[0], most)
+    if chunks.number == 1:
         return solve(constants, x0)
-    size = -(-n_cond // chunks)
-    pad = chunks * size - n_cond
+    ys, ok = jax.lax.map(
+        lambda a: solve(*a), (chunks.split(constants), chunks.split(x0))
+    )
+    return chunks.joined(ys), chunks.joined(ok)
 
-    def chunked(a: Array) -> Array:
-        a = jnp.concatenate([a, jnp.repeat(a[-1:], pad, axis=0)])
-        return a.reshape(chunks, size, *a.shape[1:])
 
-    ys, ok = jax.lax.map(lambda a: solve(*a), (chunked(constants), chunked(x0)))
-    return ys.reshape(-1, *ys.shape[2:])[:n_cond], ok.reshape(-1)[:n_cond]
+class _Chunks(NamedTuple):
+    """`C` conditions as `number` chunks of `size`, all of one size: the last padded
+    (with copies of the last condition, or a constant), the padding dropped when
+    the chunks are joined again."""
+
+    n_cond: int
+    number: int
+    size: int
+
+    @classmethod
+    def of(cls, n_cond: int, most: int) -> "_Chunks":
+        number = -(-n_cond // most)
+        return cls(n_cond, number, -(-n_cond // number))
+
+    def split(self, a: Array, pad: float | None = None) -> Array:
+        """`(C, ...)` as `(number, size, ...)`."""
+        extra = self.number * self.size - self.n_cond
+        fill = a[-1:] if pad is None else jnp.full((1, *a.shape[1:]), pad, a.dtype)
+        a = jnp.concatenate([a, jnp.repeat(fill, extra, axis=0)])
+        return a.reshape(self.number, self.size, *a.shape[1:])
+
+    def joined(self, a: Array) -> Array:
+        """`(number, size, ...)` as `(C, ...)`."""
+        return a.reshape(-1, *a.shape[2:])[: self.n_cond]
