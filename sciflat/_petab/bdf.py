@@ -120,9 +120,13 @@ class BDF:
       where they are not, at the problem's (the same derivatives as forward mode
       along the state's steps: Lang et al. 2024's gradient 1.4 s against 28 s).
       `nll` then has no forward mode (`jax.jvp`, `jax.hessian`; `residuals` and
-      `problem.uncertainty` keep it). `None` (the default): for models of
-      `ADJOINT_FROM_STATES` (20) species or more, or simulations that read more
-      than `CONTROL_UP_TO` parameters; `True`: always; `False`: never.
+      `problem.uncertainty` keep it). Its memory: the record of the last 8,192
+      attempts of a batch of conditions (`conditions × (species + 8)` numbers an
+      attempt) and the solve's state at the start of each such segment; a solve
+      that takes more runs its earlier segments again, backwards (Lang et al.
+      2024: 12,072 attempts, one segment run again). `None` (the default): for
+      models of `ADJOINT_FROM_STATES` (20) species or more, or simulations that
+      read more than `CONTROL_UP_TO` parameters; `True`: always; `False`: never.
     """
 
     max_order: int = 5
