@@ -397,13 +397,15 @@ def test_bdf_options_are_checked():
     assert not sciflat.BDF(control_sensitivities=False).controls(1)
     with pytest.raises(TypeError, match="control_sensitivities"):
         sciflat.BDF(control_sensitivities=1)  # type: ignore[arg-type]
-    # reverse mode by the adjoint beyond `CONTROL_UP_TO` directions or from
-    # `ADJOINT_FROM_STATES` species, else as asked
-    from sciflat._petab.bdf import ADJOINT_FROM_STATES
+    # reverse mode by the adjoint from `ADJOINT_FROM_DIRECTIONS` directions (and
+    # beyond `CONTROL_UP_TO`) or from `ADJOINT_FROM_STATES` species, else as asked
+    from sciflat._petab.bdf import ADJOINT_FROM_DIRECTIONS, ADJOINT_FROM_STATES
 
     assert sciflat.BDF().reverse(CONTROL_UP_TO + 1, 3)
+    assert sciflat.BDF().reverse(ADJOINT_FROM_DIRECTIONS, 3)
     assert sciflat.BDF().reverse(2, ADJOINT_FROM_STATES)
-    assert not sciflat.BDF().reverse(CONTROL_UP_TO, ADJOINT_FROM_STATES - 1)
+    small = (ADJOINT_FROM_DIRECTIONS - 1, ADJOINT_FROM_STATES - 1)
+    assert not sciflat.BDF().reverse(*small)
     assert sciflat.BDF(adjoint=True).reverse(1, 1)
     assert not sciflat.BDF(adjoint=False).reverse(10**4, 10**3)
     with pytest.raises(TypeError, match="adjoint"):

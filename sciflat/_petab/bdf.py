@@ -64,6 +64,12 @@ CONTROL_UP_TO = 100
 # measured, and 3.8-3.9 times faster on Laske (34 species) and Lucarelli (33), as
 # fast on Bachmann (25); slower on the small models (Schwen, Fiedler, Boehm).
 ADJOINT_FROM_STATES = 20
+# And from this many parameters read by the simulation, whatever the species: on the
+# fifteen problems of the collection below 20 species the adjoint's gradient took
+# 0.63–1.04 times the controlled forward sensitivities' time from 12 parameters (11
+# problems) and 1.17–2.11 times up to 10 (4), and was closer to the converged
+# gradient on 14 of the 15 (`docs/devdocs/petab.md`).
+ADJOINT_FROM_DIRECTIONS = 12
 ADJOINT_TIGHTER = 100.0
 # Newton's products `inverse @ x` as products and sums below this many species (XLA
 # fuses them with their neighbours; as a batched dot, one kernel of its own, Schwen's
@@ -126,7 +132,8 @@ class BDF:
       that takes more runs its earlier segments again, backwards (Lang et al.
       2024: 12,072 attempts, one segment run again). `None` (the default): for
       models of `ADJOINT_FROM_STATES` (20) species or more, or simulations that
-      read more than `CONTROL_UP_TO` parameters; `True`: always; `False`: never.
+      read `ADJOINT_FROM_DIRECTIONS` (12) parameters or more; `True`: always;
+      `False`: never.
     """
 
     max_order: int = 5
@@ -160,7 +167,11 @@ class BDF:
         """Whether `jax.grad` of `nll` runs the adjoint of the steps, for a model of
         `n_states` species whose simulation reads `n_directions` parameters."""
         if self.adjoint is None:
-            return n_directions > CONTROL_UP_TO or n_states >= ADJOINT_FROM_STATES
+            return (
+                n_directions > CONTROL_UP_TO
+                or n_directions >= ADJOINT_FROM_DIRECTIONS
+                or n_states >= ADJOINT_FROM_STATES
+            )
         return self.adjoint
 
 
