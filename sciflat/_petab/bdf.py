@@ -751,9 +751,9 @@ def bdf_solve(
         if tangents is not None:
             raise ValueError("`record` is for the plain solve (no `tangents`).")
         # The plain solve's two loops, each attempt written to the record: a
-        # segment of `rows` attempts at a time (`_SEGMENT`), into a record of that
-        # many rows, the solve's state kept at the start of each segment. One row
-        # an attempt, its numbers side by side (one update of the record an
+        # segment of `_SEGMENT` attempts at a time (`rows_kept`), into a record of
+        # that many rows, the solve's state kept at the start of each segment. One
+        # row an attempt, its numbers side by side (one update of the record an
         # attempt, not one for each): `_RECORD` after the state `y`.
         rows_kept = min(_SEGMENT, max_steps)
         book = jnp.zeros((rows_kept, n_cond, n + len(_RECORD)), dtype)
