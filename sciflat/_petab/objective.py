@@ -49,13 +49,14 @@ BDF_IN_TURN_FROM_STATES = 20
 # one needs them).
 BDF_CHUNK = 4
 # The adjoint's solves (with their record) and its backward runs take conditions
-# together, as `nll`'s solves, as many as keep their Newton matrices within this many
-# entries (conditions times species squared), at most `BDF_CHUNK`: one batch rebuilds
-# every condition's matrices when one needs them, which costs a larger model more
-# than the loop's kernels it shares. Gradients, ms, one condition at a time / two /
-# four: Bachmann et al. 2011 (36 conditions, 25 species) 933 / 788 / 700, Lucarelli
-# et al. 2018 (16, 33) 295 / 290 / 354, Laske et al. 2019 (3, 34) 192 / 172 / 205,
-# SalazarCavazos et al. 2020 (4, 75) 409 / 508 / 528.
+# together, as many as keep their Newton matrices within this many entries
+# (conditions times species squared): one batch rebuilds every condition's matrices
+# when one needs them, which costs a larger model more than the loop's kernels it
+# shares. Gradients, ms, one condition at a time / two / four: Bachmann et al. 2011
+# (36 conditions, 25 species) 933 / 788 / 700, Lucarelli et al. 2018 (16, 33) 295 /
+# 290 / 354, Laske et al. 2019 (3, 34) 192 / 172 / 205, SalazarCavazos et al. 2020
+# (4, 75) 409 / 508 / 528; four at a time / all: Schwen et al. 2014 (19, 11) 173 /
+# 137, Sneyd et al. 2002 (9, 6) 44.2 / 40.4, Zhao et al. 2020 (7, 4) 26.4 / 20.8.
 ADJOINT_CHUNK_ENTRIES = 2500
 
 
@@ -770,7 +771,7 @@ class Objective:
 
 def _adjoint_chunk(n_states: int) -> int:
     """The most conditions the adjoint takes together (`ADJOINT_CHUNK_ENTRIES`)."""
-    return max(1, min(BDF_CHUNK, ADJOINT_CHUNK_ENTRIES // n_states**2))
+    return max(1, ADJOINT_CHUNK_ENTRIES // n_states**2)
 
 
 def _in_chunks(solve: Callable, constants: Array, x0: Array, most: int) -> Any:
