@@ -620,8 +620,10 @@ class Objective:
         def backward(res: tuple, cotangents: tuple) -> tuple[Array]:
             linear, constants, x0, kept = res
             ys_bar = cotangents[0]
-            chunks = _Chunks.of(x0.shape[0], _adjoint_chunk(x0.shape[1]))
-            split = (chunks.split(a) for a in (constants, x0))
+            # The forward's chunks, as its record has them: (number, rows, size, ...)
+            number, _, size = kept["rows"].shape[:3]
+            chunks = _Chunks(x0.shape[0], number, size)
+            split = tuple(chunks.split(a) for a in (constants, x0))
 
             def adjoint(a: tuple) -> tuple[Array, Array]:
                 k, x, kept, bar = a
