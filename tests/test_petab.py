@@ -229,13 +229,17 @@ def closed_form(k, a0, t):
     return {"A": a, "B": 3 * a0 - a, "C": 5 * np.exp(-2 * k * t)}
 
 
+# Each condition's a0 (`again` sets the same number as `low`: one simulation).
+A0 = {"low": 1.0, "high": 2.0, "again": 1.0}
+
+
 def small_nll(k=K, scale=SCALE, sd=SD, measurements=SMALL_MEASUREMENTS, sd_a=None):
     """The PEtab negative log-likelihood of the small problem, by hand (obsA's σ is
     `sd`, or `sd_a(sd, scale)`)."""
     total = 0.0
     sd = sd if sd_a is None else sd_a(sd, scale)
     for obs, cond, y, t, _, _ in measurements:
-        a0 = {"low": 1.0, "high": 2.0}[cond]
+        a0 = A0[cond]
         x = closed_form(k, a0, t)
         if obs == "obsA":  # normal, linear
             h = scale * x["A"]
@@ -477,6 +481,76 @@ def test_the_adjoint_in_segments_and_chunks_is_the_adjoint_in_one(
     np.testing.assert_allclose(got[0], want[0], rtol=1e-14)
     np.testing.assert_allclose(got[1], want[1], rtol=1e-12, atol=1e-14)
     assert float(jnp.max(jnp.abs(want[1]))) > 1
+
+
+@pytest.mark.slow  # compiles the small problem's solves twice, in three ways: seconds
+@pytest.mark.parametrize("adjoint", [False, True])
+def test_conditions_that_are_one_simulation_are_solved_once(
+    tmp_path, monkeypatch, adjoint
+):
+    # `again` sets a0 to the number `low` sets (its own measurements of its own):
+    # the two are one simulation, solved once, its trajectory read for both. The
+    # value is the closed form's, and the value and gradient (forward
+    # sensitivities, or the adjoint) those of every condition solved on its own.
+    from sciflat._petab import objective
+
+    measurements = [
+        *NORMAL_MEASUREMENTS,
+        ("obsA", "again", 4.6, 0.5, "scale", "sd"),
+        ("obsA", "again", 2.8, 3.0, "scale", "sd"),
+        ("obsD", "again", 0.9, 1.5, "", ""),
+    ]
+    conditions = {"low": {"a0": 1.0}, "high": {"a0": 2.0}, "again": {"a0": "1"}}
+    path = small_problem(tmp_path / "p", measurements, conditions=conditions)
+    solver = sciflat.BDF(adjoint=adjoint)
+    once = sciflat.petab_problem(path, rtol=1e-10, atol=1e-12, solver=solver)
+    assert once.conditions == ("low", "high", "again")
+    np.testing.assert_array_equal(once._objective._of, [0, 1, 0])
+    np.testing.assert_allclose(
+        float(once.nll(once.nominal)), small_nll(measurements=measurements), rtol=1e-8
+    )
+    every = lambda tables: (np.arange(3), np.arange(3))
+    monkeypatch.setattr(objective, "simulations", every)
+    each = sciflat.petab_problem(path, rtol=1e-10, atol=1e-12, solver=solver)
+    assert len(each._objective._first) == 3
+    p, re = sciflat.destructure(once.nominal, dtype=jnp.float64)
+    got, want = (
+        jax.jit(jax.value_and_grad(lambda x, pr=pr: pr.nll(re(x))))(p)
+        for pr in (once, each)
+    )
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-13)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-9, atol=1e-11)
+    assert float(jnp.max(jnp.abs(want[1]))) > 1
+    jacobians = (
+        jax.jit(jax.jacfwd(lambda x, pr=pr: pr.residuals(re(x))))(p)
+        for pr in (once, each)
+    )
+    np.testing.assert_allclose(*jacobians, rtol=1e-9, atol=1e-11)
+
+
+def test_a_number_the_tables_hold_twice_has_one_place(tmp_path):
+    # The same number in two rows reads one entry of `ext`; 0.0 and -0.0 are two.
+    conditions = {
+        "low": {"a0": "1.0"},
+        "high": {"a0": "1"},
+        "zero": {"a0": "0.0"},
+        "minus": {"a0": "-0.0"},
+    }
+    from sciflat._petab.objective import simulations
+
+    measurements = [
+        *NORMAL_MEASUREMENTS,
+        ("obsD", "zero", 0.1, 1.0, "", ""),
+        ("obsD", "minus", 0.1, 1.0, "", ""),
+    ]
+    path = small_problem(tmp_path / "p", measurements, conditions=conditions)
+    tables = sciflat.petab_problem(path)._objective.tables
+    bits = [np.float64(x).tobytes() for x in tables.numbers]
+    assert len(set(bits)) == len(bits)
+    assert sum(1 for x in tables.numbers if x == 0) == 2
+    first, of = simulations(tables)
+    np.testing.assert_array_equal(first, [0, 2, 3])
+    np.testing.assert_array_equal(of, [0, 0, 1, 2])
 
 
 NORMAL_MEASUREMENTS = [m for m in SMALL_MEASUREMENTS if m[0] != "obsC"]

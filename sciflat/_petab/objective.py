@@ -320,6 +320,26 @@ def dynamic_parameters(tables: Tables) -> npt.NDArray[np.int64]:
     return np.array([i for i, q in enumerate(where) if int(q) in read], np.int64)
 
 
+def simulations(tables: Tables) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """The conditions' distinct simulations: `(first, of)`, the first condition of
+    each (`(S,)`) and each condition's simulation (`(C,)`). Two conditions are one
+    simulation when they read the same entries of `ext` for every constant and
+    every initial state they set: their solves are then the same function of the
+    parameters (Schwen et al. 2014: 19 conditions, 7 simulations; Bachmann et al.
+    2011: 36, 12), and each is solved once."""
+    keys: dict[tuple, int] = {}
+    first, of = [], []
+    for c, (index, override) in enumerate(
+        zip(tables.constant_index, tables.x0_override, strict=True)
+    ):
+        key = (tuple(np.asarray(index).tolist()), tuple(sorted(override.items())))
+        if key not in keys:
+            keys[key] = len(first)
+            first.append(c)
+        of.append(keys[key])
+    return np.array(first, np.int64), np.array(of, np.int64)
+
+
 class Objective:
     """The simulation and the noise model of one problem (tables, formulas, solver)."""
 
@@ -368,19 +388,22 @@ class Objective:
             and float(tables.union_times[-1]) > 0  # else no steps to choose
         )
         controlled = stepping and solver.controls(len(self._dynamic))
-        solve = lambda linear: self.solve_all(self.ext_of(linear))
-        self.solve_with_sensitivities = forward_sensitivities(
+        self._first, self._of = simulations(tables)
+        solve = lambda linear: self.solve_simulations(self.ext_of(linear))
+        sensitivities = forward_sensitivities(
             solve, self._bdf_sensitivities if controlled else None, self._dynamic
         )
         # `nll`'s solve: in reverse mode the adjoint of the steps (`BDF.adjoint`),
         # at tighter tolerances where it stands in for the sensitivities' control.
-        self._solve_reverse = self.solve_with_sensitivities
+        reverse = sensitivities
         if stepping:
             k = jax.ShapeDtypeStruct((self._constant_index.shape[1],), jnp.float32)
             n_states = jax.eval_shape(formulas.x0, k).shape[0]
             if solver.reverse(len(self._dynamic), n_states):
                 tighter = ADJOINT_TIGHTER if controlled else 1.0
-                self._solve_reverse = self._with_adjoint(solve, tighter)
+                reverse = self._with_adjoint(solve, tighter)
+        self.solve_with_sensitivities = self._per_condition(sensitivities)
+        self._solve_reverse = self._per_condition(reverse)
 
     def with_tolerances(self, rtol: float, atol: float) -> "Objective":
         """The same problem solved at other tolerances: the step-size controller's,
@@ -453,13 +476,39 @@ class Objective:
         rows, states, sources = self._x0_overrides
         return constants, x0.at[rows, states].set(ext[sources])
 
+    def initial(self, ext: Array) -> tuple[Array, Array]:
+        """Every simulation's constants and initial states: `(S, k)`, `(S, n)`
+        (`simulations`: conditions that are the same simulation appear once)."""
+        constants, x0 = self.initial_all(ext)
+        if len(self._first) == len(self._of):
+            return constants, x0
+        return constants[self._first], x0[self._first]
+
+    def _per_condition(self, solve: Callable) -> Callable:
+        """`solve(linear) -> (ys, ok)` of the simulations `(S, T, n)` as that of the
+        conditions `(C, T, n)` (a gather; its reverse mode sums the conditions'
+        cotangents into their simulation's)."""
+        if len(self._first) == len(self._of):
+            return solve
+
+        def per_condition(linear: Array) -> tuple[Array, Array]:
+            ys, ok = solve(linear)
+            return ys[self._of], ok
+
+        return per_condition
+
     def solve_all(self, ext: Array) -> tuple[Array, Array]:
         """Every condition at the union of the measurement times: `(C, T, n)`."""
+        ys, ok = self.solve_simulations(ext)
+        return (ys, ok) if len(self._first) == len(self._of) else (ys[self._of], ok)
+
+    def solve_simulations(self, ext: Array) -> tuple[Array, Array]:
+        """Every simulation at the union of the measurement times: `(S, T, n)`."""
         ts = self.tables.union_times
-        if len(self.tables.conditions) == 1 and not isinstance(self._solver, BDF):
-            ys, ok = self.solve(ext, 0, ts)
+        if len(self._first) == 1 and not isinstance(self._solver, BDF):
+            ys, ok = self.solve(ext, int(self._first[0]), ts)
             return ys[None], ok
-        constants, x0 = self.initial_all(ext)
+        constants, x0 = self.initial(ext)
         if isinstance(self._solver, BDF):
             ys, ok = self._bdf(constants, x0, ts)
         else:
@@ -557,20 +606,20 @@ class Objective:
         return _in_chunks(solve, constants, x0, BDF_CHUNK)
 
     def _bdf_sensitivities(self, linear: Array) -> tuple[Array, Array, Array]:
-        """Every condition's solution `(C, T, n)`, whether all succeeded, and the
-        solution's derivatives in `linear` `(C, T, n, P)`, by `bdf_solve` with the
+        """Every simulation's solution `(S, T, n)`, whether all succeeded, and the
+        solution's derivatives in `linear` `(S, T, n, P)`, by `bdf_solve` with the
         sensitivities' errors controlled with the state's (as AMICI's CVODES
         does): each along a parameter scaled by its size (by 1 where it is 0), so
         that its error weights are the state's, as for a log-scale parameter."""
         ts, index = self.tables.union_times, self._dynamic
 
         def pairs(sub: Array) -> tuple[Array, Array]:
-            return self.initial_all(self.ext_of(linear.at[index].set(sub)))
+            return self.initial(self.ext_of(linear.at[index].set(sub)))
 
         (constants, x0), directions = jax.linearize(pairs, linear[index])
         size = jax.lax.stop_gradient(jnp.abs(linear[index]))
         size = jnp.where(size > 0, size, 1)
-        # (P, C, k), (P, C, n): the dynamic parameters' directions, scaled
+        # (P, S, k), (P, S, n): the dynamic parameters' directions, scaled
         dk, dx0 = jax.vmap(directions)(jnp.diag(size))
 
         def solve(k, x, dk, dx):
@@ -587,9 +636,9 @@ class Objective:
 
             ys, dys, ok = jax.lax.map(
                 one, (constants, x0, jnp.moveaxis(dk, 1, 0), jnp.moveaxis(dx0, 1, 0))
-            )  # (C, T, n), (C, P, T, n), (C,)
+            )  # (S, T, n), (S, P, T, n), (S,)
             dys = jnp.moveaxis(dys, 1, 0)
-        jac = jnp.moveaxis(dys, 0, -1) / size  # (C, T, n, P)
+        jac = jnp.moveaxis(dys, 0, -1) / size  # (S, T, n, P)
         return ys, jnp.all(ok), columns(jac, index, len(linear))
 
     def _with_adjoint(self, solve: Callable, tighter: float) -> Callable:
@@ -609,7 +658,7 @@ class Objective:
             return self._bdf_solve(*a, ts, record=True, **tolerances)
 
         def forward(linear: Array) -> Any:
-            constants, x0 = self.initial_all(self.ext_of(linear))
+            constants, x0 = self.initial(self.ext_of(linear))
             chunks = _Chunks.of(x0.shape[0], _adjoint_chunk(x0.shape[1]))
             ys, ok, kept = jax.lax.map(
                 kept_solve, (chunks.split(constants), chunks.split(x0))
@@ -635,7 +684,7 @@ class Objective:
 
             bars = jax.lax.map(adjoint, (*split, kept, chunks.split(ys_bar, pad=0.0)))
             bars = tuple(chunks.joined(b) for b in bars)
-            pairs = lambda sub: self.initial_all(self.ext_of(linear.at[index].set(sub)))
+            pairs = lambda sub: self.initial(self.ext_of(linear.at[index].set(sub)))
             _, pull = jax.vjp(pairs, linear[index])
             (sub_bar,) = pull(bars)
             return (jnp.zeros_like(linear).at[index].set(sub_bar),)

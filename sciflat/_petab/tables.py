@@ -479,13 +479,20 @@ class _Refs:
     def __init__(self, table_ids: tuple[str, ...]):
         self.table_ids = table_ids
         self.numbers: list[float] = []
+        self._at: dict[bytes, int] = {}  # a number's bits -> its index in `ext`
 
     def __call__(self, text: str, where: str) -> int:
-        """The index in `ext` of a number or a table parameter."""
+        """The index in `ext` of a number or a table parameter. A number the tables
+        hold more than once has one place (the same bits: `-0.0` is not `0.0`), so
+        that two conditions that set the same numbers read the same entries of
+        `ext` (and are one simulation: `objective.simulations`)."""
         value = _float(text)
         if value is not None:
-            self.numbers.append(value)
-            return len(self.table_ids) + len(self.numbers) - 1
+            bits = np.float64(value).tobytes()
+            if bits not in self._at:
+                self.numbers.append(value)
+                self._at[bits] = len(self.table_ids) + len(self.numbers) - 1
+            return self._at[bits]
         if text in self.table_ids:
             return self.table_ids.index(text)
         raise ValueError(
