@@ -89,6 +89,31 @@ def test_a_batch_of_conditions_is_each_condition_solved_alone(x64):
     assert len({int(s[0]) for s in stats}) == 3
 
 
+@pytest.mark.slow  # compiles the solve with and without `need`: seconds
+def test_a_condition_stops_at_its_last_time(x64):
+    # `need`: each condition solved to that many of `ts` (one needs only t = 0). A
+    # condition stopped early is the condition alone solved to its own last time,
+    # with fewer steps than to the batch's end; its later times are 0.
+    ks = jnp.array([[1.0], [5.0], [20.0]])
+    y0s = jnp.array([[2.0, 0.0], [1.0, 0.5], [-1.0, 1.0]])
+    ts = np.array([0.0, 0.5, 1.7, 3.0, 6.0])
+    need = jnp.array([3, 5, 1], jnp.int32)
+    f, jac = forced_oscillator, jax.jacfwd(forced_oscillator, argnums=1)
+    cut = lambda k, y, m: bdf_solve(f, jac, k, y, ts, 1e-10, 1e-12, 10**5, need=m)
+    ys, ok = jax.jit(cut)(ks, y0s, need)
+    assert bool(jnp.all(ok))
+    every, _, stats = jax.jit(lambda k, y: solve(f, k, y, ts, 1e-10))(ks, y0s)
+    for c, m in enumerate(need.tolist()):
+        alone, _, alone_stats = solve(f, ks[c : c + 1], y0s[c : c + 1], ts[:m], 1e-10)
+        np.testing.assert_allclose(ys[c, :m], alone[0], rtol=1e-13, atol=1e-13)
+        np.testing.assert_array_equal(ys[c, m:], 0.0)
+        # The same solution as to the end, within the tolerance's global error.
+        np.testing.assert_allclose(ys[c, :m], every[c, :m], rtol=1e-7, atol=1e-7)
+        if 1 < m < len(ts):
+            assert int(alone_stats[0, 0]) < int(stats[c, 0])
+    np.testing.assert_array_equal(ys[2, 0], y0s[2])
+
+
 @pytest.mark.slow  # compiles the solve, its derivative and tight solves: seconds
 def test_bdf_forward_derivatives_are_the_solutions(x64):
     # Forward mode through the Newton iterations (the step sizes and matrices taken

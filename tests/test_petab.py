@@ -505,14 +505,16 @@ def test_conditions_that_are_one_simulation_are_solved_once(
     solver = sciflat.BDF(adjoint=adjoint)
     once = sciflat.petab_problem(path, rtol=1e-10, atol=1e-12, solver=solver)
     assert once.conditions == ("low", "high", "again")
-    np.testing.assert_array_equal(once._objective._of, [0, 1, 0])
+    np.testing.assert_array_equal(once._objective._sims.of, [1, 0, 1])
     np.testing.assert_allclose(
         float(once.nll(once.nominal)), small_nll(measurements=measurements), rtol=1e-8
     )
-    every = lambda tables: (np.arange(3), np.arange(3))
+    every = lambda t: objective.Simulations(
+        *[np.arange(3)] * 2, np.full(3, len(t.union_times))
+    )
     monkeypatch.setattr(objective, "simulations", every)
     each = sciflat.petab_problem(path, rtol=1e-10, atol=1e-12, solver=solver)
-    assert len(each._objective._first) == 3
+    assert each._objective._sims.distinct
     p, re = sciflat.destructure(once.nominal, dtype=jnp.float64)
     got, want = (
         jax.jit(jax.value_and_grad(lambda x, pr=pr: pr.nll(re(x))))(p)
@@ -548,9 +550,13 @@ def test_a_number_the_tables_hold_twice_has_one_place(tmp_path):
     bits = [np.float64(x).tobytes() for x in tables.numbers]
     assert len(set(bits)) == len(bits)
     assert sum(1 for x in tables.numbers if x == 0) == 2
-    first, of = simulations(tables)
-    np.testing.assert_array_equal(first, [0, 2, 3])
-    np.testing.assert_array_equal(of, [0, 0, 1, 2])
+    # low and high are one simulation, to 4.0 (the longest first); zero and minus
+    # end at 1.0.
+    sims = simulations(tables)
+    np.testing.assert_array_equal(sims.first, [0, 2, 3])
+    np.testing.assert_array_equal(sims.of, [0, 0, 1, 2])
+    times = tables.union_times
+    np.testing.assert_array_equal(times[sims.need - 1], [4.0, 1.0, 1.0])
 
 
 NORMAL_MEASUREMENTS = [m for m in SMALL_MEASUREMENTS if m[0] != "obsC"]
@@ -1239,7 +1245,7 @@ def test_conditions_solved_in_chunks_come_back_in_their_order(n_cond):
         ys = x[:, None, :] * jnp.arange(1.0, 5.0)[None, :, None] + k[:, :1, None]
         return ys, jnp.all(jnp.isfinite(ys), axis=(1, 2)) & (k[:, 1] > -9)
 
-    ys, ok = jax.jit(lambda k, x: _in_chunks(solve, k, x, BDF_CHUNK))(constants, x0)
+    ys, ok = jax.jit(lambda k, x: _in_chunks(solve, (k, x), BDF_CHUNK))(constants, x0)
     want, want_ok = solve(constants, x0)
     np.testing.assert_array_equal(ys, want)
     np.testing.assert_array_equal(ok, want_ok)

@@ -272,6 +272,7 @@ def bdf_solve(
     tangents: tuple[jax.Array, jax.Array] | None = None,
     record: bool = False,
     resume: dict[str, jax.Array] | None = None,
+    need: jax.Array | None = None,
 ) -> Any:
     """Solves `dy/dt = rhs(t, y, k)` from `t = 0` for a batch of conditions
     (`constants`: `(C, k)`, `y0`: `(C, n)`) and returns the solution at `ts`
@@ -294,7 +295,12 @@ def bdf_solve(
     solution and its choices (`_RECORD`). The record holds one segment of at most
     `_SEGMENT` attempts, the last; where the solve may take more (`max_steps`), it
     also keeps the solve's state at the start of each segment (`points`), from
-    which `resume=` one of them runs that segment again and returns its rows."""
+    which `resume=` one of them runs that segment again and returns its rows.
+
+    `need`: `(C,)`, how many of `ts` each condition is solved to (by default all):
+    a condition stops at `ts[need - 1]`, and its solution at the later times is 0
+    (a condition whose last measurement is early takes none of the steps after
+    it)."""
     dtype = y0.dtype
     n_cond, n = y0.shape
     eps = float(jnp.finfo(dtype).eps)
@@ -306,9 +312,14 @@ def bdf_solve(
     # (test_bdf's oscillator).
     # (`rtol` may be traced: `check_tolerances` solves again at others.)
     newton_tol = jnp.maximum(10 * eps / rtol, jnp.minimum(0.03, rtol**0.25))
-    t_end = jnp.asarray(ts[-1], dtype)
     ts_j = jnp.asarray(ts, dtype)
     n_out = len(ts)
+    if need is None:
+        need = jnp.full((n_cond,), n_out, jnp.int32)
+    # Each condition's end; one that needs no step (its last time is 0) is done
+    # from the start, its steps' numbers those of the whole span.
+    t_end = ts_j[need - 1]
+    t_end = jnp.where(t_end > 0, t_end, ts_j[-1])
     rows = jnp.arange(8)
     sg = jax.lax.stop_gradient
 
@@ -375,7 +386,7 @@ def bdf_solve(
             t_acc=t0,
             h_acc=h,
             order_acc=jnp.ones((n_cond,), jnp.int32),
-            done=k_out >= n_out,
+            done=k_out >= need,
             failed=jnp.zeros((n_cond,), bool),
             rejected=jnp.zeros((n_cond,), jnp.int32),
             attempts=jnp.zeros((), jnp.int32),
@@ -895,7 +906,10 @@ def bdf_solve(
             lambda c: going(c[0]), attempt_along, (dict(rest, d=d), dd_t, ys, ys_t)
         )
         out = (ys, ys_t)
-    ok = state["done"] & ~state["failed"] & (state["k_out"] >= n_out)
+    ok = state["done"] & ~state["failed"] & (state["k_out"] >= need)
+    # The times after a condition's end: 0, not the `inf` they start from.
+    after = (jnp.arange(n_out)[None, :] >= need[:, None])[:, :, None]
+    out = tuple(jnp.where(after, 0, y) for y in out)
     if with_stats:
         return (*out, ok, state["stats"])
     if record:

@@ -320,13 +320,30 @@ def dynamic_parameters(tables: Tables) -> npt.NDArray[np.int64]:
     return np.array([i for i, q in enumerate(where) if int(q) in read], np.int64)
 
 
-def simulations(tables: Tables) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-    """The conditions' distinct simulations: `(first, of)`, the first condition of
-    each (`(S,)`) and each condition's simulation (`(C,)`). Two conditions are one
-    simulation when they read the same entries of `ext` for every constant and
-    every initial state they set: their solves are then the same function of the
-    parameters (Schwen et al. 2014: 19 conditions, 7 simulations; Bachmann et al.
-    2011: 36, 12), and each is solved once."""
+class Simulations(NamedTuple):
+    """The conditions' distinct simulations (`simulations`): the first condition of
+    each `(S,)`, each condition's simulation `(C,)`, and how many of the union's
+    measurement times each simulation is solved to `(S,)`."""
+
+    first: npt.NDArray[np.int64]
+    of: npt.NDArray[np.int64]
+    need: npt.NDArray[np.int64]
+
+    @property
+    def distinct(self) -> bool:
+        """Whether each condition is its own simulation, in the conditions' order."""
+        return np.array_equal(self.first, np.arange(len(self.of)))
+
+
+def simulations(tables: Tables) -> Simulations:
+    """The conditions' distinct simulations. Two conditions are one simulation when
+    they read the same entries of `ext` for every constant and every initial state
+    they set: their solves are then the same function of the parameters (Schwen et
+    al. 2014: 19 conditions, 7 simulations; Bachmann et al. 2011: 36, 12), and each
+    is solved once, up to the last time any of its conditions is measured at
+    (Bachmann's end at 7 to 360 minutes). They are ordered by that time, the
+    longest first, so that the solves a few at a time take together those of a
+    similar length, and a last chunk padded with copies pads the shortest."""
     keys: dict[tuple, int] = {}
     first, of = [], []
     for c, (index, override) in enumerate(
@@ -337,7 +354,14 @@ def simulations(tables: Tables) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.i
             keys[key] = len(first)
             first.append(c)
         of.append(keys[key])
-    return np.array(first, np.int64), np.array(of, np.int64)
+    need = np.zeros(len(first), np.int64)
+    for g in tables.groups:
+        s = of[g.condition]
+        need[s] = max(need[s], int(np.max(g.time_index, initial=-1)) + 1)
+    order = np.lexsort((np.array(first), -need))  # `need` down, then condition
+    rank = np.empty_like(order)
+    rank[order] = np.arange(len(order))
+    return Simulations(np.array(first, np.int64)[order], rank[of], need[order])
 
 
 class Objective:
@@ -388,7 +412,7 @@ class Objective:
             and float(tables.union_times[-1]) > 0  # else no steps to choose
         )
         controlled = stepping and solver.controls(len(self._dynamic))
-        self._first, self._of = simulations(tables)
+        self._sims = simulations(tables)
         solve = lambda linear: self.solve_simulations(self.ext_of(linear))
         sensitivities = forward_sensitivities(
             solve, self._bdf_sensitivities if controlled else None, self._dynamic
@@ -480,37 +504,37 @@ class Objective:
         """Every simulation's constants and initial states: `(S, k)`, `(S, n)`
         (`simulations`: conditions that are the same simulation appear once)."""
         constants, x0 = self.initial_all(ext)
-        if len(self._first) == len(self._of):
+        if self._sims.distinct:
             return constants, x0
-        return constants[self._first], x0[self._first]
+        return constants[self._sims.first], x0[self._sims.first]
 
     def _per_condition(self, solve: Callable) -> Callable:
         """`solve(linear) -> (ys, ok)` of the simulations `(S, T, n)` as that of the
         conditions `(C, T, n)` (a gather; its reverse mode sums the conditions'
         cotangents into their simulation's)."""
-        if len(self._first) == len(self._of):
+        if self._sims.distinct:
             return solve
 
         def per_condition(linear: Array) -> tuple[Array, Array]:
             ys, ok = solve(linear)
-            return ys[self._of], ok
+            return ys[self._sims.of], ok
 
         return per_condition
 
     def solve_all(self, ext: Array) -> tuple[Array, Array]:
         """Every condition at the union of the measurement times: `(C, T, n)`."""
         ys, ok = self.solve_simulations(ext)
-        return (ys, ok) if len(self._first) == len(self._of) else (ys[self._of], ok)
+        return (ys, ok) if self._sims.distinct else (ys[self._sims.of], ok)
 
     def solve_simulations(self, ext: Array) -> tuple[Array, Array]:
         """Every simulation at the union of the measurement times: `(S, T, n)`."""
         ts = self.tables.union_times
-        if len(self._first) == 1 and not isinstance(self._solver, BDF):
-            ys, ok = self.solve(ext, int(self._first[0]), ts)
+        if len(self._sims.first) == 1 and not isinstance(self._solver, BDF):
+            ys, ok = self.solve(ext, int(self._sims.first[0]), ts)
             return ys[None], ok
         constants, x0 = self.initial(ext)
         if isinstance(self._solver, BDF):
-            ys, ok = self._bdf(constants, x0, ts)
+            ys, ok = self._bdf(constants, x0, ts, self._sims.need)
         else:
             ys, ok = jax.vmap(lambda k, x: self.integrate(k, x, ts))(constants, x0)
         return ys, jnp.all(ok)
@@ -594,16 +618,23 @@ class Objective:
         )
 
     def _bdf(
-        self, constants: Array, x0: Array, ts: npt.NDArray[np.float64]
+        self,
+        constants: Array,
+        x0: Array,
+        ts: npt.NDArray[np.float64],
+        need: npt.NDArray[np.int64] | None = None,
     ) -> tuple[Array, Array]:
-        """Conditions `(C, k)`, `(C, n)` solved by `bdf_solve`: `(C, T, n)`, `(C,)`."""
+        """Conditions `(C, k)`, `(C, n)` solved by `bdf_solve` (each to `need` of
+        `ts`, by default all): `(C, T, n)`, `(C,)`."""
         if float(ts[-1]) == 0.0:
             shape = (x0.shape[0], len(ts), x0.shape[1])
             return jnp.broadcast_to(x0[:, None], shape), jnp.ones(x0.shape[0], bool)
-        solve = ft.partial(self._bdf_solve, ts=ts)
+        need = np.full(x0.shape[0], len(ts)) if need is None else need
+        solve = lambda k, x, m: self._bdf_solve(k, x, ts, need=m)
+        need_j = jnp.asarray(need, jnp.int32)
         if x0.shape[0] == 1 or not self._in_turn(x0.shape[1]):
-            return solve(constants, x0)
-        return _in_chunks(solve, constants, x0, BDF_CHUNK)
+            return solve(constants, x0, need_j)
+        return _in_chunks(solve, (constants, x0, need_j), BDF_CHUNK)
 
     def _bdf_sensitivities(self, linear: Array) -> tuple[Array, Array, Array]:
         """Every simulation's solution `(S, T, n)`, whether all succeeded, and the
@@ -622,20 +653,23 @@ class Objective:
         # (P, S, k), (P, S, n): the dynamic parameters' directions, scaled
         dk, dx0 = jax.vmap(directions)(jnp.diag(size))
 
-        def solve(k, x, dk, dx):
-            return self._bdf_solve(k, x, ts, tangents=(dk, dx))
+        need = jnp.asarray(self._sims.need, jnp.int32)
+
+        def solve(k, x, dk, dx, m):
+            return self._bdf_solve(k, x, ts, tangents=(dk, dx), need=m)
 
         if len(x0) == 1 or not self._in_turn(x0.shape[1], derivatives=True):
-            ys, dys, ok = solve(constants, x0, dk, dx0)
+            ys, dys, ok = solve(constants, x0, dk, dx0, need)
         else:
 
             def one(a: tuple[Array, ...]) -> tuple[Array, Array, Array]:
-                k, x, dk, dx = a  # one condition's; its P directions
-                ys, dys, ok = solve(k[None], x[None], dk[:, None], dx[:, None])
+                k, x, dk, dx, m = a  # one simulation's; its P directions
+                ys, dys, ok = solve(k[None], x[None], dk[:, None], dx[:, None], m[None])
                 return ys[0], dys[:, 0], ok[0]
 
+            dk, dx0 = jnp.moveaxis(dk, 1, 0), jnp.moveaxis(dx0, 1, 0)
             ys, dys, ok = jax.lax.map(
-                one, (constants, x0, jnp.moveaxis(dk, 1, 0), jnp.moveaxis(dx0, 1, 0))
+                one, (constants, x0, dk, dx0, need)
             )  # (S, T, n), (S, P, T, n), (S,)
             dys = jnp.moveaxis(dys, 1, 0)
         jac = jnp.moveaxis(dys, 0, -1) / size  # (S, T, n, P)
@@ -654,14 +688,17 @@ class Objective:
         index, ts = self._dynamic, self.tables.union_times
         tolerances = {"rtol": self.rtol / tighter, "atol": self.atol / tighter}
 
-        def kept_solve(a: tuple[Array, Array]) -> Any:
-            return self._bdf_solve(*a, ts, record=True, **tolerances)
+        need = jnp.asarray(self._sims.need, jnp.int32)
+
+        def kept_solve(a: tuple[Array, Array, Array]) -> Any:
+            k, x, m = a
+            return self._bdf_solve(k, x, ts, record=True, need=m, **tolerances)
 
         def forward(linear: Array) -> Any:
             constants, x0 = self.initial(self.ext_of(linear))
             chunks = _Chunks.of(x0.shape[0], _adjoint_chunk(x0.shape[1]))
             ys, ok, kept = jax.lax.map(
-                kept_solve, (chunks.split(constants), chunks.split(x0))
+                kept_solve, tuple(chunks.split(a) for a in (constants, x0, need))
             )
             ys, ok = chunks.joined(ys), chunks.joined(ok)
             return (ys, jnp.all(ok)), (linear, constants, x0, kept)
@@ -672,13 +709,13 @@ class Objective:
             # The forward's chunks, as its record has them: (number, rows, size, ...)
             number, _, size = kept["rows"].shape[:3]
             chunks = _Chunks(x0.shape[0], number, size)
-            split = tuple(chunks.split(a) for a in (constants, x0))
+            split = tuple(chunks.split(a) for a in (constants, x0, need))
 
             def adjoint(a: tuple) -> tuple[Array, Array]:
-                k, x, kept, bar = a
+                k, x, m, kept, bar = a
 
                 def replay(point: dict) -> Array:  # a segment of the solve's record
-                    return self._bdf_solve(k, x, ts, resume=point, **tolerances)
+                    return self._bdf_solve(k, x, ts, resume=point, need=m, **tolerances)
 
                 return self._bdf_adjoint(k, x, kept, bar, replay)
 
@@ -825,15 +862,13 @@ def _adjoint_chunk(n_states: int) -> int:
     return max(1, ADJOINT_CHUNK_ENTRIES // n_states**2)
 
 
-def _in_chunks(solve: Callable, constants: Array, x0: Array, most: int) -> Any:
-    """`solve(constants, x0)` of `C` conditions as `lax.map` over chunks of at most
-    `most` of them (`_Chunks`): `(C, T, n)`, `(C,)`."""
-    chunks = _Chunks.of(x0.shape[0], most)
+def _in_chunks(solve: Callable, arrays: tuple[Array, ...], most: int) -> Any:
+    """`solve(*arrays)` of `C` conditions (each array `(C, ...)`) as `lax.map` over
+    chunks of at most `most` of them (`_Chunks`): `(C, T, n)`, `(C,)`."""
+    chunks = _Chunks.of(arrays[0].shape[0], most)
     if chunks.number == 1:
-        return solve(constants, x0)
-    ys, ok = jax.lax.map(
-        lambda a: solve(*a), (chunks.split(constants), chunks.split(x0))
-    )
+        return solve(*arrays)
+    ys, ok = jax.lax.map(lambda a: solve(*a), tuple(chunks.split(a) for a in arrays))
     return chunks.joined(ys), chunks.joined(ok)
 
 
