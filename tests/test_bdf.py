@@ -99,18 +99,22 @@ def test_a_condition_stops_at_its_last_time(x64):
     ts = np.array([0.0, 0.5, 1.7, 3.0, 6.0])
     need = jnp.array([3, 5, 1], jnp.int32)
     f, jac = forced_oscillator, jax.jacfwd(forced_oscillator, argnums=1)
-    cut = lambda k, y, m: bdf_solve(f, jac, k, y, ts, 1e-10, 1e-12, 10**5, need=m)
-    ys, ok = jax.jit(cut)(ks, y0s, need)
+    stop = lambda k, y, m: bdf_solve(
+        f, jac, k, y, ts, 1e-10, 1e-12, 10**5, need=m, with_stats=True
+    )
+    ys, ok, stats = jax.jit(stop)(ks, y0s, need)
     assert bool(jnp.all(ok))
-    every, _, stats = jax.jit(lambda k, y: solve(f, k, y, ts, 1e-10))(ks, y0s)
+    every, _, every_stats = jax.jit(lambda k, y: solve(f, k, y, ts, 1e-10))(ks, y0s)
+    alone, _, alone_stats = solve(f, ks[:1], y0s[:1], ts[:3], 1e-10)
+    np.testing.assert_allclose(ys[0, :3], alone[0], rtol=1e-13, atol=1e-13)
+    np.testing.assert_array_equal(stats[0], alone_stats[0])
     for c, m in enumerate(need.tolist()):
-        alone, _, alone_stats = solve(f, ks[c : c + 1], y0s[c : c + 1], ts[:m], 1e-10)
-        np.testing.assert_allclose(ys[c, :m], alone[0], rtol=1e-13, atol=1e-13)
         np.testing.assert_array_equal(ys[c, m:], 0.0)
         # The same solution as to the end, within the tolerance's global error.
         np.testing.assert_allclose(ys[c, :m], every[c, :m], rtol=1e-7, atol=1e-7)
-        if 1 < m < len(ts):
-            assert int(alone_stats[0, 0]) < int(stats[c, 0])
+    assert int(stats[0, 0]) < int(every_stats[0, 0])  # fewer steps
+    np.testing.assert_array_equal(stats[1], every_stats[1])  # to the end: the same
+    assert int(stats[2, 0]) == 0
     np.testing.assert_array_equal(ys[2, 0], y0s[2])
 
 

@@ -483,15 +483,12 @@ def test_the_adjoint_in_segments_and_chunks_is_the_adjoint_in_one(
     assert float(jnp.max(jnp.abs(want[1]))) > 1
 
 
-@pytest.mark.slow  # compiles the small problem's solves twice, in three ways: seconds
-@pytest.mark.parametrize("adjoint", [False, True])
-def test_conditions_that_are_one_simulation_are_solved_once(
-    tmp_path, monkeypatch, adjoint
-):
+@pytest.mark.slow  # compiles the small problem's gradient and Jacobian twice: seconds
+def test_conditions_that_are_one_simulation_are_solved_once(tmp_path, monkeypatch):
     # `again` sets a0 to the number `low` sets (its own measurements of its own):
     # the two are one simulation, solved once, its trajectory read for both. The
-    # value is the closed form's, and the value and gradient (forward
-    # sensitivities, or the adjoint) those of every condition solved on its own.
+    # value is the closed form's, and the gradient (the adjoint) and the residuals'
+    # Jacobian (forward sensitivities) those of every condition solved on its own.
     from sciflat._petab import objective
 
     measurements = [
@@ -502,13 +499,10 @@ def test_conditions_that_are_one_simulation_are_solved_once(
     ]
     conditions = {"low": {"a0": 1.0}, "high": {"a0": 2.0}, "again": {"a0": "1"}}
     path = small_problem(tmp_path / "p", measurements, conditions=conditions)
-    solver = sciflat.BDF(adjoint=adjoint)
+    solver = sciflat.BDF(adjoint=True)
     once = sciflat.petab_problem(path, rtol=1e-10, atol=1e-12, solver=solver)
     assert once.conditions == ("low", "high", "again")
     np.testing.assert_array_equal(once._objective._sims.of, [1, 0, 1])
-    np.testing.assert_allclose(
-        float(once.nll(once.nominal)), small_nll(measurements=measurements), rtol=1e-8
-    )
     every = lambda t: objective.Simulations(
         *[np.arange(3)] * 2, np.full(3, len(t.union_times))
     )
@@ -520,6 +514,7 @@ def test_conditions_that_are_one_simulation_are_solved_once(
         jax.jit(jax.value_and_grad(lambda x, pr=pr: pr.nll(re(x))))(p)
         for pr in (once, each)
     )
+    np.testing.assert_allclose(got[0], small_nll(measurements=measurements), rtol=1e-8)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-13)
     np.testing.assert_allclose(got[1], want[1], rtol=1e-9, atol=1e-11)
     assert float(jnp.max(jnp.abs(want[1]))) > 1
