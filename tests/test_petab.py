@@ -903,7 +903,8 @@ def test_rate_laws_are_the_symbolic_right_hand_side():
     # computed a template at a time, the 29 assignment rules first) against SymPy's
     # own evaluation of the substituted expressions, at random positive points; `N`
     # applied as padded rows and as sums over its nonzeros (Laske's default: one
-    # species is in 22 of the 52 reactions).
+    # species is in 22 of the 52 reactions), by a scatter (a batch of conditions)
+    # or by short padded rows (one condition).
     import sympy
 
     from sciflat._petab.formulas import RateLaws
@@ -915,6 +916,8 @@ def test_rate_laws_are_the_symbolic_right_hand_side():
     assert auto.sparse_rates and auto.sparse_jacobian
     padded = RateLaws(sympy, ode, sparse=False)
     assert not (padded.sparse_rates or padded.sparse_jacobian)
+    alone = RateLaws(sympy, ode, batched=False)
+    assert alone._gathers and not auto._gathers
     sym = lambda k: sympy.Symbol(k, real=True)
     x, k = [sym(s) for s in ode.species], [sym(c) for c in ode.constants]
     scalar = sympy.lambdify([ode.time, x, k], list(ode.rhs), modules="numpy")
@@ -924,7 +927,7 @@ def test_rate_laws_are_the_symbolic_right_hand_side():
     @jax.jit
     def both(t, x, k):
         jac = jax.jacfwd(auto.evaluate, argnums=1)(t, x, k)  # JAX's own
-        ways = [(rhs(t, x, k), rhs.jacobian(t, x, k)) for rhs in (auto, padded)]
+        ways = [(rhs(t, x, k), rhs.jacobian(t, x, k)) for rhs in (auto, padded, alone)]
         return ways, jac
 
     rng = np.random.default_rng(0)
