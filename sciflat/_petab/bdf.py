@@ -76,6 +76,11 @@ ADJOINT_TIGHTER = 100.0
 # 19 conditions of 11 species took 23.9 ms an llh against 19.4), as a dot from it on
 # (SalazarCavazos's 75 species: 91.7 ms as a dot, 99.9 as sums).
 _DOT_FROM_STATES = 20
+# From this many species on, a batch builds a Jacobian or a Newton matrix only for
+# the conditions that need one, a condition at a time, where below it builds them
+# for the whole batch whenever one condition needs them (a small matrix costs less
+# than the loop over the conditions).
+_LANES_FROM_STATES = 20
 # `bdf_adjoint` runs the attempts backwards in blocks of at most this many, their
 # Newton matrices (conditions times species squared each) at most this many entries.
 _ADJOINT_BLOCK = 64
@@ -489,6 +494,23 @@ def bdf_solve(
             jnp.zeros_like(last_rate),
         )
 
+    def rebuilt(need, every, one, old):
+        """`old` (a matrix a condition) with those of the conditions in `need`
+        built again: `every()` builds the whole batch's, `one(i)` condition
+        `i`'s. Nothing is built where no condition needs it; from
+        `_LANES_FROM_STATES` species on, only the conditions that need it, one
+        after the other."""
+        if n < _LANES_FROM_STATES or n_cond == 1:
+            batch = lambda: jnp.where(need[:, None, None], every(), old)
+            return jax.lax.cond(jnp.any(need), batch, lambda: old)
+
+        def lane(carry):
+            todo, out = carry
+            i = jnp.argmax(todo)
+            return todo.at[i].set(False), out.at[i].set(one(i))
+
+        return jax.lax.while_loop(lambda c: jnp.any(c[0]), lane, (need, old))[1]
+
     def trial(s, dd, constants):
         """A trial step from the differences `dd`: the new state and the
         correction, `(y_new, corr)`, and what the rest of the attempt needs."""
@@ -507,12 +529,11 @@ def bdf_solve(
 
         # The Jacobian where Newton's iteration failed with an old one.
         need_jac = live & s["need_jac"]
-        jac = jax.lax.cond(
-            jnp.any(need_jac),
-            lambda: jnp.where(
-                need_jac[:, None, None], jac_b(t_new, y_pred, constants), s["jac"]
-            ),
-            lambda: s["jac"],
+        jac = rebuilt(
+            need_jac,
+            lambda: jac_b(t_new, y_pred, constants),
+            lambda i: jacobian(sg(t_new[i]), sg(y_pred[i]), sg(constants[i])),
+            s["jac"],
         )
         jac_current = s["jac_current"] | need_jac
         # The Newton matrix `I - c J`, inverted, with a new Jacobian or where the
@@ -522,14 +543,11 @@ def bdf_solve(
         far = jnp.abs(c / s["c_lu"] - 1) > 0.3
         need_lu = live & (need_jac | far)
         eye = jnp.eye(n, dtype=dtype)
-        inverse = jax.lax.cond(
-            jnp.any(need_lu),
-            lambda: jnp.where(
-                need_lu[:, None, None],
-                jnp.linalg.inv(sg(eye - c[:, None, None] * jac)),
-                s["inverse"],
-            ),
-            lambda: s["inverse"],
+        inverse = rebuilt(
+            need_lu,
+            lambda: jnp.linalg.inv(sg(eye - c[:, None, None] * jac)),
+            lambda i: jnp.linalg.inv(sg(eye - c[i] * jac[i])),
+            s["inverse"],
         )
         c_lu = jnp.where(need_lu, c, s["c_lu"])
         crate = jnp.where(need_lu, 1.0, s["crate"])
