@@ -41,18 +41,22 @@ from .controller import RejectionLimit
 # From this many species on, `BDF` solves the conditions in turn (`nll`'s a few at a
 # time: `BDF_CHUNK`).
 BDF_IN_TURN_FROM_STATES = 20
-# `nll`'s solves in turn take up to this many conditions together (one batch, one
+# `nll`'s solves in turn take up to this many simulations together (one batch, one
 # loop over their steps), in chunks of equal size: the loop's kernels, which cost a
-# large model's step more than its arithmetic, are then shared (Bachmann et al.
-# 2011's 36 conditions: 130 ms one at a time, 93 ms four at a time; 105 ms two at a
-# time, and 196 ms as one batch, where every condition's matrices are rebuilt when
-# one needs them).
+# large model's step more than its arithmetic, are then shared, and a chunk runs
+# until its longest simulation ends. Bachmann et al. 2011's 12 simulations: 33.8
+# ms one at a time, 26.2 two, 22.0 four, 38.8 all at once; Lucarelli et al. 2018's
+# 12: 27.7 / 45.5 / 26.0 / 31.4 (one process, each chunk size a problem of its
+# own).
 BDF_CHUNK = 4
 # The adjoint's solves (with their record) and its backward runs take conditions
 # together, as many as keep their Newton matrices within this many entries
-# (conditions times species squared): one batch rebuilds every condition's matrices
-# when one needs them, which costs a larger model more than the loop's kernels it
-# shares. Gradients, ms, one condition at a time / two / four: Bachmann et al. 2011
+# (conditions times species squared): the backward's work for each attempt is the
+# whole batch's, which costs a larger model more than the loop's kernels it
+# shares (four times the entries: Lucarelli's gradient 283 against 228 ms, Laske's
+# 213 against 167, Bachmann's and SalazarCavazos's the same). Before the
+# simulations were solved once each and their matrices rebuilt only where needed,
+# gradients, ms, one condition at a time / two / four: Bachmann et al. 2011
 # (36 conditions, 25 species) 933 / 788 / 700, Lucarelli et al. 2018 (16, 33) 295 /
 # 290 / 354, Laske et al. 2019 (3, 34) 192 / 172 / 205, SalazarCavazos et al. 2020
 # (4, 75) 409 / 508 / 528; four at a time / all: Schwen et al. 2014 (19, 11) 173 /
@@ -577,11 +581,12 @@ class Objective:
         return ys, sol.result == diffrax.RESULTS.successful
 
     def _in_turn(self, n_states: int, derivatives: bool = False) -> bool:
-        """Whether `BDF` solves the conditions one after the other (large models:
-        each builds its matrices when it needs them, which one batch, one loop,
-        would do for all whenever one needs them: Bachmann's 36 conditions 247 ms
-        in turn, 399 ms as one batch) or as one batch (small models: their
-        matrices cost less than the loop's kernels, which one batch shares).
+        """Whether `BDF` solves the conditions one after the other, a few at a
+        time (large models: a batch runs until its longest condition ends, and
+        each attempt's arithmetic is the whole batch's; Bachmann's 12 simulations
+        22.0 ms four at a time, 38.8 as one batch) or as one batch (small models:
+        their arithmetic costs less than the loop's kernels, which one batch
+        shares; Schwen's 7 simulations 8.6 ms as one batch, 9.2 four at a time).
         With `derivatives` (the solves with their sensitivities) always in turn: an
         attempt's work for the directions, and its Jacobian and inversion for
         them, is most of its cost then, and one batch pays it for every condition
