@@ -488,8 +488,8 @@ def bdf_solve(
             jnp.zeros_like(last_rate),
         )
 
-    def rebuilt(need, every, one, old):
-        """`old` (a matrix a condition) with those of the conditions in `need`
+    def rebuilt(mask, every, one, old):
+        """`old` (a matrix a condition) with those of the conditions in `mask`
         built again: `every()` builds the whole batch's, `one(i)` condition
         `i`'s. Nothing is built where no condition needs it, and in a batch only
         the conditions that need it, one after the other: each condition builds
@@ -498,15 +498,15 @@ def bdf_solve(
         four matrices each (SalazarCavazos et al. 2020's `nll` 106 ms, 76 this
         way; Schwen et al. 2014's 7 simulations in one batch 13.9, 12.0)."""
         if n_cond == 1:
-            batch = lambda: jnp.where(need[:, None, None], every(), old)
-            return jax.lax.cond(jnp.any(need), batch, lambda: old)
+            batch = lambda: jnp.where(mask[:, None, None], every(), old)
+            return jax.lax.cond(jnp.any(mask), batch, lambda: old)
 
         def lane(carry):
             todo, out = carry
             i = jnp.argmax(todo)
             return todo.at[i].set(False), out.at[i].set(one(i))
 
-        return jax.lax.while_loop(lambda c: jnp.any(c[0]), lane, (need, old))[1]
+        return jax.lax.while_loop(lambda c: jnp.any(c[0]), lane, (mask, old))[1]
 
     def trial(s, dd, constants):
         """A trial step from the differences `dd`: the new state and the
