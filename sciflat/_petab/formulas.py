@@ -335,6 +335,10 @@ class RateLaws:
         self._d_rates = self.rates.derivative(direct, chained, n)
         self._plan_sparse(n, direct, sparse)
         self._gathers = self.sparse_rates and not batched
+        if self._gathers:
+            self._nz_rows = _short_rows(
+                self._nz_species, self._nz_reaction, self._nz_coef, n, self.rates.size
+            )
         sizes_on_x = any(
             sympy.sympify(v).free_symbols & (species | {sym(known[j]) for j in on_x})
             for v in ode.sizes
@@ -416,9 +420,6 @@ class RateLaws:
         self._nz_species = nz_species
         self._nz_reaction = self.reactions[nz_species, slot]
         self._nz_coef = self.stoichiometry[nz_species, slot]
-        self._nz_rows = _short_rows(
-            nz_species, self._nz_reaction, self._nz_coef, n, self.rates.size
-        )
         by_reaction: list[list[tuple[int, float]]] = [
             [] for _ in range(self.rates.size)
         ]

@@ -513,22 +513,21 @@ class Objective:
         return constants[self._sims.first], x0[self._sims.first]
 
     def _per_condition(self, solve: Callable) -> Callable:
-        """`solve(linear) -> (ys, ok)` of the simulations `(S, T, n)` as that of the
+        """`solve(a) -> (ys, ok)` of the simulations `(S, T, n)` as that of the
         conditions `(C, T, n)` (a gather; its reverse mode sums the conditions'
         cotangents into their simulation's)."""
         if self._sims.distinct:
             return solve
 
-        def per_condition(linear: Array) -> tuple[Array, Array]:
-            ys, ok = solve(linear)
+        def per_condition(a: Array) -> tuple[Array, Array]:
+            ys, ok = solve(a)
             return ys[self._sims.of], ok
 
         return per_condition
 
     def solve_all(self, ext: Array) -> tuple[Array, Array]:
         """Every condition at the union of the measurement times: `(C, T, n)`."""
-        ys, ok = self.solve_simulations(ext)
-        return (ys, ok) if self._sims.distinct else (ys[self._sims.of], ok)
+        return self._per_condition(self.solve_simulations)(ext)
 
     def solve_simulations(self, ext: Array) -> tuple[Array, Array]:
         """Every simulation at the union of the measurement times: `(S, T, n)`."""
