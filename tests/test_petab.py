@@ -1225,11 +1225,13 @@ def test_bdf_conditions_in_one_batch_or_in_turn_are_the_same_solves(small):
     np.testing.assert_allclose(got[False][2], got[True][2], rtol=1e-12, atol=1e-15)
 
 
+@pytest.mark.parametrize("whole", [False, True])
 @pytest.mark.parametrize("n_cond", [1, 2, 3, 4, 5, 7, 9, 36])
-def test_conditions_solved_in_chunks_come_back_in_their_order(n_cond):
+def test_conditions_solved_in_chunks_come_back_in_their_order(n_cond, whole):
     # `nll`'s solves in turn go a few conditions at a time (`BDF_CHUNK`), the chunks
-    # of one size, the last padded with copies of the last condition: every
-    # condition's solution comes back once, in its place, the padding dropped.
+    # of one size (`whole`: a power of two), the last padded with copies of the last
+    # condition: every condition's solution comes back once, in its place, the
+    # padding dropped.
     from sciflat._petab.objective import BDF_CHUNK, _Chunks, _in_chunks
 
     rng = np.random.default_rng(n_cond)
@@ -1243,14 +1245,19 @@ def test_conditions_solved_in_chunks_come_back_in_their_order(n_cond):
         ys = x[:, None, :] * jnp.arange(1.0, 5.0)[None, :, None] + k[:, :1, None]
         return ys, jnp.all(jnp.isfinite(ys), axis=(1, 2)) & (k[:, 1] > -9)
 
-    ys, ok = jax.jit(lambda k, x: _in_chunks(solve, (k, x), BDF_CHUNK))(constants, x0)
+    chunked = lambda k, x: _in_chunks(solve, (k, x), BDF_CHUNK, whole)
+    ys, ok = jax.jit(chunked)(constants, x0)
     want, want_ok = solve(constants, x0)
     np.testing.assert_array_equal(ys, want)
     np.testing.assert_array_equal(ok, want_ok)
     chunk = sizes[0]
     assert chunk <= BDF_CHUNK and -(-n_cond // chunk) == -(-n_cond // BDF_CHUNK)
+    if whole:
+        assert chunk in (1, 2, 4) and chunk >= n_cond / -(-n_cond // BDF_CHUNK)
+    else:
+        assert chunk == -(-n_cond // -(-n_cond // BDF_CHUNK))
     # (The adjoint's cotangents are padded with zeros.)
-    chunks = _Chunks.of(n_cond, BDF_CHUNK)
+    chunks = _Chunks.of(n_cond, BDF_CHUNK, whole)
     split = chunks.split(x0, pad=0.0)
     assert split.shape == (chunks.number, chunk, 2)
     np.testing.assert_array_equal(chunks.joined(split), x0)

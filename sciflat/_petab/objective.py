@@ -49,6 +49,15 @@ BDF_IN_TURN_FROM_STATES = 20
 # 12: 27.7 / 45.5 / 26.0 / 31.4 (one process, each chunk size a problem of its
 # own).
 BDF_CHUNK = 4
+# Below this many species, those chunks hold 1, 2 or 4 simulations (three padded
+# to four with a copy of the last): there a batch of three cost XLA:CPU about as
+# much as one of four, or more (one simulation repeated in a batch, 2 cores, ms
+# for 2 / 3 / 4 lanes: Laske et al. 2019, 34 species, 14.8 / 30.4 / 21.0;
+# Lucarelli et al. 2018, 33: 5.8 / 8.5 / 8.6; Bachmann et al. 2011, 25: 6.5 / 8.2
+# / 8.8), while at 75 species a lane's arithmetic is the cost (SalazarCavazos et
+# al. 2020: 34.1 / 41.6 / 61.1); between the two, not measured. Laske's three
+# simulations: `nll` 29.6 ms in a chunk of three, 21.3 padded to four.
+BDF_WHOLE_CHUNKS_BELOW_STATES = 50
 # The adjoint's solves (with their record) and its backward runs take conditions
 # together, as many as keep their Newton matrices within this many entries
 # (conditions times species squared): the backward's work for each attempt is the
@@ -638,7 +647,8 @@ class Objective:
         need_j = jnp.asarray(need, jnp.int32)
         if x0.shape[0] == 1 or not self._in_turn(x0.shape[1]):
             return solve(constants, x0, need_j)
-        return _in_chunks(solve, (constants, x0, need_j), BDF_CHUNK)
+        whole = x0.shape[1] < BDF_WHOLE_CHUNKS_BELOW_STATES
+        return _in_chunks(solve, (constants, x0, need_j), BDF_CHUNK, whole)
 
     def _bdf_sensitivities(self, linear: Array) -> tuple[Array, Array, Array]:
         """Every simulation's solution `(S, T, n)`, whether all succeeded, and the
@@ -866,11 +876,14 @@ def _adjoint_chunk(n_states: int) -> int:
     return max(1, ADJOINT_CHUNK_ENTRIES // n_states**2)
 
 
-def _in_chunks(solve: Callable, arrays: tuple[Array, ...], most: int) -> Any:
+def _in_chunks(
+    solve: Callable, arrays: tuple[Array, ...], most: int, whole: bool = False
+) -> Any:
     """`solve(*arrays)` of `C` conditions (each array `(C, ...)`) as `lax.map` over
-    chunks of at most `most` of them (`_Chunks`): `(C, T, n)`, `(C,)`."""
-    chunks = _Chunks.of(arrays[0].shape[0], most)
-    if chunks.number == 1:
+    chunks of at most `most` of them (`_Chunks`; `whole`: of a power of two of
+    them): `(C, T, n)`, `(C,)`."""
+    chunks = _Chunks.of(arrays[0].shape[0], most, whole)
+    if chunks.number * chunks.size == chunks.n_cond == chunks.size:
         return solve(*arrays)
     ys, ok = jax.lax.map(lambda a: solve(*a), tuple(chunks.split(a) for a in arrays))
     return chunks.joined(ys), chunks.joined(ok)
@@ -886,9 +899,15 @@ class _Chunks(NamedTuple):
     size: int
 
     @classmethod
-    def of(cls, n_cond: int, most: int) -> "_Chunks":
+    def of(cls, n_cond: int, most: int, whole: bool = False) -> "_Chunks":
+        """As few chunks as hold `n_cond` conditions `most` at a time, of equal
+        size; `whole`: of a size that is a power of two (at most `most`)."""
         number = -(-n_cond // most)
-        return cls(n_cond, number, -(-n_cond // number))
+        size = -(-n_cond // number)
+        if whole:
+            size = min(most, 1 << (size - 1).bit_length())
+            number = -(-n_cond // size)
+        return cls(n_cond, number, size)
 
     def split(self, a: Array, pad: float | None = None) -> Array:
         """`(C, ...)` as `(number, size, ...)`."""
