@@ -1225,6 +1225,41 @@ def test_bdf_conditions_in_one_batch_or_in_turn_are_the_same_solves(small):
     np.testing.assert_allclose(got[False][2], got[True][2], rtol=1e-12, atol=1e-15)
 
 
+@pytest.mark.slow  # compiles the small problem's solves twice: seconds
+def test_a_small_model_of_few_simulations_solves_them_one_at_a_time(small, monkeypatch):
+    # XLA:CPU runs a loop body kernel after kernel on the calling thread where all
+    # its buffers are at most 512 bytes: one simulation of a small model's are, a
+    # batch of two's are not. `nll`'s solves of such a problem go one at a time: the
+    # same solves as in one batch.
+    from sciflat._petab.objective import Objective
+
+    objective = small._objective
+    ext = objective.ext(small.nominal)
+    one_batch = Objective(
+        objective.tables,
+        objective.formulas,
+        objective._diffrax,
+        objective._solver,
+        objective.rtol,
+        objective.atol,
+        objective._max_steps,
+    )
+    one_batch._bdf_in_turn = False
+    want, want_ok = jax.jit(one_batch.solve_all)(ext)
+    sizes = []
+    real = Objective._bdf_solve
+
+    def spy(self, constants, *args, **kwargs):
+        sizes.append(constants.shape[0])
+        return real(self, constants, *args, **kwargs)
+
+    monkeypatch.setattr(Objective, "_bdf_solve", spy)
+    got, ok = jax.jit(objective.solve_all)(ext)
+    assert len(objective._sims.first) == 2 and sizes == [1]
+    assert bool(ok) and bool(want_ok)
+    np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-15)
+
+
 @pytest.mark.parametrize("whole", [False, True])
 @pytest.mark.parametrize("n_cond", [1, 2, 3, 4, 5, 7, 9, 36])
 def test_conditions_solved_in_chunks_come_back_in_their_order(n_cond, whole):

@@ -58,6 +58,17 @@ BDF_CHUNK = 4
 # al. 2020: 34.1 / 41.6 / 61.1); between the two, not measured. Laske's three
 # simulations: `nll` 29.6 ms in a chunk of three, 21.3 padded to four.
 BDF_WHOLE_CHUNKS_BELOW_STATES = 50
+# A model of at most this many species and this many simulations solves them one
+# at a time for `nll`: one simulation's arrays (its Newton matrix, its differences)
+# are then at most 512 bytes, and XLA:CPU runs a loop body whose buffers all are
+# kernel after kernel on the calling thread; a batch of a few crosses that size and
+# its kernels go through XLA's pool, which a few lanes do not pay back (Fiedler et
+# al. 2016, 3 simulations of 6 species: `nll` 0.84-0.85 times as long one at a
+# time, Bertozzi et al. 2020, 2 of 3: 0.87; with 7 or 8 the batch is faster: Zhao
+# et al. 2020's 7 simulations of 4 species 1.97 ms as one batch, 2.45 one at a
+# time).
+ONE_AT_A_TIME_UP_TO_STATES = 8
+ONE_AT_A_TIME_UP_TO_SIMULATIONS = 4
 # The adjoint's solves (with their record) and its backward runs take conditions
 # together, as many as keep their Newton matrices within this many entries
 # (conditions times species squared): the backward's work for each attempt is the
@@ -605,6 +616,16 @@ class Objective:
             return self._bdf_in_turn
         return derivatives or n_states >= BDF_IN_TURN_FROM_STATES
 
+    def _one_at_a_time(self, n_sims: int, n_states: int) -> bool:
+        """Whether `nll`'s `BDF` solves the simulations one at a time: small
+        models of a few simulations (`ONE_AT_A_TIME_UP_TO_STATES`), unless the
+        problem was told (`_bdf_in_turn`)."""
+        return (
+            self._bdf_in_turn is None
+            and n_states <= ONE_AT_A_TIME_UP_TO_STATES
+            and n_sims <= ONE_AT_A_TIME_UP_TO_SIMULATIONS
+        )
+
     def _bdf_solve(
         self,
         constants: Array,
@@ -645,7 +666,11 @@ class Objective:
         need = np.full(x0.shape[0], len(ts)) if need is None else need
         solve = lambda k, x, m: self._bdf_solve(k, x, ts, need=m)
         need_j = jnp.asarray(need, jnp.int32)
-        if x0.shape[0] == 1 or not self._in_turn(x0.shape[1]):
+        if x0.shape[0] == 1:
+            return solve(constants, x0, need_j)
+        if self._one_at_a_time(*x0.shape):
+            return _in_chunks(solve, (constants, x0, need_j), 1)
+        if not self._in_turn(x0.shape[1]):
             return solve(constants, x0, need_j)
         whole = x0.shape[1] < BDF_WHOLE_CHUNKS_BELOW_STATES
         return _in_chunks(solve, (constants, x0, need_j), BDF_CHUNK, whole)
