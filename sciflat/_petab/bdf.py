@@ -769,7 +769,14 @@ def bdf_solve(
             y_at = jnp.where((tk >= t_new)[:, None], d_acc[:, 0], y_at)
             want = os["want"]
             onehot = (jnp.arange(n_out)[None, :] == k_out[:, None]) & want[:, None]
-            ys_ = jnp.where(onehot[:, :, None], y_at[:, None, :], ys_)
+            # Written in place, a row a condition (the whole `ys` selected anew
+            # would copy it at every output: Lang et al. 2024's 600 times).
+            at = jnp.minimum(k_out, n_out - 1)
+            lanes = jnp.arange(n_cond)
+            ys_ = ys_.at[lanes, at].set(
+                jnp.where(want[:, None], y_at, ys_[lanes, at]),
+                unique_indices=True,
+            )
             k_out = k_out + want.astype(jnp.int32)
             next_want = (
                 want & (k_out < n_out) & (ts_j[jnp.minimum(k_out, n_out - 1)] <= t_new)
