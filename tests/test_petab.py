@@ -1195,11 +1195,27 @@ def test_crauste_llh_at_the_defaults_is_amicis_converged_one():
     )
 
 
+def _objective_again(objective, in_turn):
+    """A new `Objective` of the same problem, its `BDF` solves in turn or not."""
+    from sciflat._petab.objective import Objective
+
+    again = Objective(
+        objective.tables,
+        objective.formulas,
+        objective._diffrax,
+        objective._solver,
+        objective.rtol,
+        objective.atol,
+        objective._max_steps,
+    )
+    again._bdf_in_turn = in_turn
+    return again
+
+
 @pytest.mark.slow  # compiles the small problem's nll twice: seconds
 def test_bdf_conditions_in_one_batch_or_in_turn_are_the_same_solves(small):
     # A small model's conditions are one batch (one loop), a large model's solved in
     # turn: each condition takes the same steps either way.
-    from sciflat._petab.objective import Objective
 
     objective = small._objective
     assert isinstance(objective._solver, sciflat.BDF)
@@ -1207,16 +1223,7 @@ def test_bdf_conditions_in_one_batch_or_in_turn_are_the_same_solves(small):
     linear = objective.linear(small.nominal)
     got = {}
     for in_turn in (False, True):
-        again = Objective(
-            objective.tables,
-            objective.formulas,
-            objective._diffrax,
-            objective._solver,
-            objective.rtol,
-            objective.atol,
-            objective._max_steps,
-        )
-        again._bdf_in_turn = in_turn
+        again = _objective_again(objective, in_turn)
         # and with their sensitivities (in turn by default, whatever the size)
         jac = jax.jacfwd(lambda v, o=again: o.solve_with_sensitivities(v)[0])
         got[in_turn] = (*jax.jit(again.solve_all)(ext), jax.jit(jac)(linear))
@@ -1235,16 +1242,7 @@ def test_a_small_model_of_few_simulations_solves_them_one_at_a_time(small, monke
 
     objective = small._objective
     ext = objective.ext(small.nominal)
-    one_batch = Objective(
-        objective.tables,
-        objective.formulas,
-        objective._diffrax,
-        objective._solver,
-        objective.rtol,
-        objective.atol,
-        objective._max_steps,
-    )
-    one_batch._bdf_in_turn = False
+    one_batch = _objective_again(objective, in_turn=False)
     want, want_ok = jax.jit(one_batch.solve_all)(ext)
     sizes = []
     real = Objective._bdf_solve
