@@ -471,14 +471,8 @@ def bdf_solve(
                 k=jnp.zeros((), jnp.int32),
             ),
         )
-        ns = dict(
-            y=ns["yc"][:, 0],
-            corr=ns["yc"][:, 1],
-            converged=ns["s"][:, 2] > 0,
-            iterations=ns["s"][:, 3].astype(jnp.int32),
-            rate=ns["s"][:, 1],
-        )
-        return ns["y"], ns["corr"], ns["converged"], ns["iterations"], ns["rate"]
+        yc, sc = ns["yc"], ns["s"]
+        return yc[:, 0], yc[:, 1], sc[:, 2] > 0, sc[:, 3].astype(jnp.int32), sc[:, 1]
 
     newton = jax.custom_jvp(_newton)
 

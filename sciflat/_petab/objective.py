@@ -908,7 +908,7 @@ def _in_chunks(
     chunks of at most `most` of them (`_Chunks`; `whole`: of a power of two of
     them): `(C, T, n)`, `(C,)`."""
     chunks = _Chunks.of(arrays[0].shape[0], most, whole)
-    if chunks.number * chunks.size == chunks.n_cond == chunks.size:
+    if chunks.size == chunks.n_cond:  # one chunk, unpadded
         return solve(*arrays)
     ys, ok = jax.lax.map(lambda a: solve(*a), tuple(chunks.split(a) for a in arrays))
     return chunks.joined(ys), chunks.joined(ok)
