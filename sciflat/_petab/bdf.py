@@ -19,7 +19,8 @@ of the step's error tolerance (SciPy: `min(0.03, sqrt(rtol))`).
 matrices; a Jacobian or a Newton matrix is computed only for the conditions that
 need one, at the attempts where they do. (The PEtab objective passes a large
 model's conditions a few at a time, a batch running until its longest condition
-ends, and a small model's as one batch, which shares the loop's kernels.) The
+ends, a small model's as one batch, which shares the loop's kernels, and a small
+model's few conditions one at a time.) The
 solution at the measurement times is the BDF's own interpolating polynomial (as
 CVODES's `CVodeGetDky`), so the steps need not end on them.
 

@@ -616,15 +616,22 @@ class Objective:
             return self._bdf_in_turn
         return derivatives or n_states >= BDF_IN_TURN_FROM_STATES
 
-    def _one_at_a_time(self, n_sims: int, n_states: int) -> bool:
-        """Whether `nll`'s `BDF` solves the simulations one at a time: small
-        models of a few simulations (`ONE_AT_A_TIME_UP_TO_STATES`), unless the
-        problem was told (`_bdf_in_turn`)."""
-        return (
+    def _nll_batches(self, n_sims: int, n_states: int) -> tuple[int, bool]:
+        """How `nll`'s `BDF` solves take the simulations (`_in_chunks`): at most how
+        many together, and whether in batches of a power of two. A small model's
+        few simulations one at a time (`ONE_AT_A_TIME_UP_TO_STATES`, unless the
+        problem was told: `_bdf_in_turn`), a small model's others as one batch, a
+        large model's `BDF_CHUNK` at a time (`_in_turn`), in batches of 1, 2 or 4
+        below `BDF_WHOLE_CHUNKS_BELOW_STATES` species."""
+        if (
             self._bdf_in_turn is None
             and n_states <= ONE_AT_A_TIME_UP_TO_STATES
             and n_sims <= ONE_AT_A_TIME_UP_TO_SIMULATIONS
-        )
+        ):
+            return 1, False
+        if not self._in_turn(n_states):
+            return n_sims, False
+        return BDF_CHUNK, n_states < BDF_WHOLE_CHUNKS_BELOW_STATES
 
     def _bdf_solve(
         self,
@@ -666,14 +673,8 @@ class Objective:
         need = np.full(x0.shape[0], len(ts)) if need is None else need
         solve = lambda k, x, m: self._bdf_solve(k, x, ts, need=m)
         need_j = jnp.asarray(need, jnp.int32)
-        if x0.shape[0] == 1:
-            return solve(constants, x0, need_j)
-        if self._one_at_a_time(*x0.shape):
-            return _in_chunks(solve, (constants, x0, need_j), 1)
-        if not self._in_turn(x0.shape[1]):
-            return solve(constants, x0, need_j)
-        whole = x0.shape[1] < BDF_WHOLE_CHUNKS_BELOW_STATES
-        return _in_chunks(solve, (constants, x0, need_j), BDF_CHUNK, whole)
+        most, whole = self._nll_batches(*x0.shape)
+        return _in_chunks(solve, (constants, x0, need_j), most, whole)
 
     def _bdf_sensitivities(self, linear: Array) -> tuple[Array, Array, Array]:
         """Every simulation's solution `(S, T, n)`, whether all succeeded, and the
