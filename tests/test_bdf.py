@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import assume, given, settings, strategies as st
 from jax.extend.core import jaxprs_in_params
 
 import sciflat
@@ -284,6 +284,32 @@ def test_controlled_sensitivities_converge_with_the_tolerance(x64):
     )
     np.testing.assert_allclose(ys[0], ys_plain[0], rtol=1e-4, atol=1e-6)
     assert int(stats[0, 0]) > int(plain_stats[0, 0])
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    n=st.integers(1, 5),
+    scale=st.sampled_from([1e-3, 1.0, 1e3, 1e8]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_small_models_inverse_is_lapacks(x64, n, scale, seed):
+    # Up to five species the corrector's derivative inverts `I - c J` by Gauss-Jordan
+    # elimination in JAX's operations: LAPACK's inverse to rounding, for stiff
+    # matrices and rows that need pivoting; a singular matrix gives non-finite
+    # entries, as LAPACK's does (so the step's derivative is not used).
+    from sciflat._petab.bdf import _JORDAN_UP_TO_STATES, _inverse
+
+    assert n <= _JORDAN_UP_TO_STATES
+    rng = np.random.default_rng(seed)
+    w = jnp.asarray(np.eye(n) - scale * rng.standard_normal((3, n, n)))
+    w = w.at[1].set(w[1][::-1])  # a small diagonal: pivoting needed
+    got, want = jax.jit(_inverse)(w), jnp.linalg.inv(w)
+    size = jnp.linalg.norm(want, axis=(1, 2)) * jnp.linalg.norm(w, axis=(1, 2))
+    assume(bool(jnp.all(size < 1e10)))  # well enough conditioned to compare
+    err = jnp.max(jnp.abs(got - want), axis=(1, 2)) / jnp.max(jnp.abs(want), (1, 2))
+    assert float(jnp.max(err / size)) < 1e-14
+    singular = w.at[:, :, 0].set(0.0)
+    assert not bool(jnp.any(jnp.all(jnp.isfinite(jax.jit(_inverse)(singular)), (1, 2))))
 
 
 def test_a_blow_up_is_a_failed_solve_with_the_solution_before_it(x64):

@@ -76,6 +76,11 @@ ADJOINT_TIGHTER = 100.0
 # 19 conditions of 11 species took 23.9 ms an llh against 19.4), as a dot from it on
 # (SalazarCavazos's 75 species: 91.7 ms as a dot, 99.9 as sums).
 _DOT_FROM_STATES = 20
+# Up to this many species, the corrector's derivative solves its linear system by
+# Gauss-Jordan elimination written in JAX's operations (unrolled: one column a
+# step) instead of LAPACK's LU and inverse, whose pivots-to-permutation loop and
+# calls cost more kernels than the whole elimination of a few species.
+_JORDAN_UP_TO_STATES = 5
 # `bdf_adjoint` runs the attempts backwards in blocks of at most this many, their
 # Newton matrices (conditions times species squared each) at most this many entries.
 _ADJOINT_BLOCK = 64
@@ -194,6 +199,30 @@ def _record_rows(rows: jax.Array, n: int) -> dict[str, jax.Array]:
             col = col.astype(jnp.int32)
         out[key] = col
     return out
+
+
+def _inverse(w: jax.Array) -> jax.Array:
+    """The inverses of a batch of matrices `(C, n, n)`: up to
+    `_JORDAN_UP_TO_STATES`, by Gauss-Jordan elimination with partial pivoting
+    unrolled over the columns (a few fused kernels a column, no LAPACK call);
+    beyond, LAPACK's (`jnp.linalg.inv`). A singular matrix gives entries that are
+    not finite either way."""
+    n = w.shape[-1]
+    if n > _JORDAN_UP_TO_STATES:
+        return jnp.linalg.inv(w)
+    a = jnp.concatenate([w, jnp.broadcast_to(jnp.eye(n, dtype=w.dtype), w.shape)], -1)
+    rows = jnp.arange(n)
+    for k in range(n):
+        col = jnp.where(rows[None, :] >= k, jnp.abs(a[:, :, k]), -1)
+        p = jnp.argmax(col, axis=1)
+        row_k = a[:, k, :]
+        row_p = jnp.take_along_axis(a, p[:, None, None], axis=1)[:, 0, :]
+        a = jnp.where((rows[None, :] == p[:, None])[:, :, None], row_k[:, None, :], a)
+        pivot = row_p / row_p[:, k : k + 1]
+        factor = jnp.where(rows[None, :] == k, 0, a[:, :, k])
+        a = a - factor[:, :, None] * pivot[:, None, :]
+        a = jnp.where((rows == k)[None, :, None], pivot[:, None, :], a)
+    return a[:, :, n:]
 
 
 def _coefficients(dtype: Any) -> tuple[Any, Any, Any]:
@@ -493,7 +522,7 @@ def bdf_solve(
         y, _, converged, iterations, last_rate = out
         fk = jax.jvp(lambda k: f_b(t_new, y, k), (constants,), (d_k,))[1]
         w = jnp.eye(n, dtype=dtype) - c[:, None, None] * jac_b(t_new, y, constants)
-        w_inv = jnp.linalg.inv(sg(w))
+        w_inv = _inverse(sg(w))
         dy = jnp.einsum("cij,cj->ci", w_inv, c[:, None] * fk - d_psi + d_pred)
         dy = jnp.where(converged[:, None] & jnp.isfinite(dy), dy, d_pred)
         zero = lambda a: np.zeros(a.shape, jax.dtypes.float0)
