@@ -415,26 +415,40 @@ def test_small_gradient_matches_finite_differences_in_both_modes(small):
     np.testing.assert_allclose(value, f(p), rtol=1e-9)
 
 
+@pytest.fixture(scope="module")
+def adjoint_small(tmp_path_factory):
+    """The small problem with a noise parameter, its `nll` differentiated by the
+    adjoint of the steps (`BDF(adjoint=True)`, the sensitivities' errors not
+    controlled): `(path, problem, p, re, (value, gradient))`, the gradient compiled
+    once for the tests that compare other ways with it."""
+    folder = tmp_path_factory.mktemp("adjoint") / "small"
+    path = small_problem(folder, measurements=NORMAL_MEASUREMENTS)
+    solver = sciflat.BDF(control_sensitivities=False, adjoint=True)
+    problem = sciflat.petab_problem(path, rtol=1e-9, atol=1e-11, solver=solver)
+    p, re = sciflat.destructure(problem.nominal, dtype=jnp.float64)
+    want = jax.jit(jax.value_and_grad(lambda x: problem.nll(re(x))))(p)
+    return path, problem, p, re, want
+
+
 @pytest.mark.slow  # compiles the small problem's solves three ways: seconds
-def test_the_adjoint_gradient_is_the_forward_gradient_along_the_same_steps(tmp_path):
+def test_the_adjoint_gradient_is_the_forward_gradient_along_the_same_steps(
+    adjoint_small,
+):
     # `BDF(adjoint=True)`: `jax.grad` of `nll` by the adjoint of the steps (the
     # default beyond 100 parameters read) against forward mode along the same steps
     # (`adjoint=False`), on a problem of two conditions with an initial state and a
     # noise parameter estimated; `residuals` keep their forward mode, `nll` has none.
-    path = small_problem(tmp_path / "small", measurements=NORMAL_MEASUREMENTS)
-    problems = {
-        way: sciflat.petab_problem(
-            path,
-            rtol=1e-9,
-            atol=1e-11,
-            solver=sciflat.BDF(control_sensitivities=False, adjoint=way),
-        )
-        for way in (True, False)
-    }
-    p, re = sciflat.destructure(problems[True].nominal, dtype=jnp.float64)
+    path, adjoint, p, re, by_adjoint = adjoint_small
+    forward = sciflat.petab_problem(
+        path,
+        rtol=1e-9,
+        atol=1e-11,
+        solver=sciflat.BDF(control_sensitivities=False, adjoint=False),
+    )
+    problems = {True: adjoint, False: forward}
     got = {
-        way: jax.jit(jax.value_and_grad(lambda x, pr=pr: pr.nll(re(x))))(p)
-        for way, pr in problems.items()
+        True: by_adjoint,
+        False: jax.jit(jax.value_and_grad(lambda x: forward.nll(re(x))))(p),
     }
     assert float(got[True][0]) == float(got[False][0])
     np.testing.assert_allclose(got[True][1], got[False][1], rtol=1e-10, atol=1e-12)
@@ -459,9 +473,9 @@ def test_the_adjoint_gradient_is_the_forward_gradient_along_the_same_steps(tmp_p
     assert bool(jnp.all(jnp.isfinite(errors[0])))
 
 
-@pytest.mark.slow  # compiles the small problem's adjoint twice: seconds
+@pytest.mark.slow  # compiles the small problem's adjoint again: seconds
 def test_the_adjoint_in_segments_and_chunks_is_the_adjoint_in_one(
-    tmp_path, monkeypatch
+    adjoint_small, monkeypatch
 ):
     # The adjoint's solves keep the rows of the last segment of their attempts and
     # the state at the start of each, running the earlier ones again backwards;
@@ -469,11 +483,8 @@ def test_the_adjoint_in_segments_and_chunks_is_the_adjoint_in_one(
     # condition at a time: the same value and gradient as one segment, one batch.
     from sciflat._petab import bdf, objective
 
-    path = small_problem(tmp_path / "small", measurements=NORMAL_MEASUREMENTS)
+    path, _, p, re, want = adjoint_small
     solver = sciflat.BDF(control_sensitivities=False, adjoint=True)
-    one = sciflat.petab_problem(path, rtol=1e-9, atol=1e-11, solver=solver)
-    p, re = sciflat.destructure(one.nominal, dtype=jnp.float64)
-    want = jax.jit(jax.value_and_grad(lambda x: one.nll(re(x))))(p)
     monkeypatch.setattr(bdf, "_SEGMENT", 8)
     monkeypatch.setattr(objective, "ADJOINT_CHUNK_ENTRIES", 1)
     many = sciflat.petab_problem(path, rtol=1e-9, atol=1e-11, solver=solver)
