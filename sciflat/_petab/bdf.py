@@ -76,10 +76,12 @@ ADJOINT_TIGHTER = 100.0
 # 19 conditions of 11 species took 23.9 ms an llh against 19.4), as a dot from it on
 # (SalazarCavazos's 75 species: 91.7 ms as a dot, 99.9 as sums).
 _DOT_FROM_STATES = 20
-# Up to this many species, the corrector's derivative solves its linear system by
-# Gauss-Jordan elimination written in JAX's operations (unrolled: one column a
-# step) instead of LAPACK's LU and inverse, whose pivots-to-permutation loop and
-# calls cost more kernels than the whole elimination of a few species.
+# Up to this many species, the corrector's derivative inverts its matrix by
+# Gauss-Jordan elimination written in JAX's operations (`_inverse`, unrolled over the
+# columns) instead of LAPACK's LU, triangular solves and pivots-to-permutation loop,
+# which cost more kernels an attempt than the whole elimination of a few species
+# (Crauste's residual Jacobian 0.78-0.93 of its time; at 6 species no gain, at 8
+# Boehm's gradient 1.24 times as long).
 _JORDAN_UP_TO_STATES = 5
 # `bdf_adjoint` runs the attempts backwards in blocks of at most this many, their
 # Newton matrices (conditions times species squared each) at most this many entries.
