@@ -460,9 +460,9 @@ def test_the_adjoint_gradient_is_the_forward_gradient_along_the_same_steps(
     with pytest.raises(TypeError, match="forward-mode"):
         jax.jvp(lambda x: problems[True].nll(re(x)), (p,), (p,))
     # A fit takes the adjoint's gradient (SciPy's path tries forward mode first for
-    # few parameters), and `uncertainty` its Hessian from forward mode over it.
-    # `uncertainty`'s Hessian is forward mode whatever `adjoint` says: one program
-    # for both fits (the adjoint problem's, compiled once for its two calls).
+    # few parameters). `uncertainty`'s Hessian differentiates `nll`'s forward-mode
+    # solve whatever `adjoint` says: one program for both fits (the adjoint
+    # problem's, compiled once for its two calls).
     fits = {
         way: adjoint.uncertainty(
             sciflat.minimize(pr.nll, pr.nominal, bounds=pr.bounds, progress=False)
