@@ -111,10 +111,13 @@ def _solve(inverse: jax.Array, w: jax.Array, b: jax.Array) -> jax.Array:
 
 @_solve.defjvp
 def _solve_jvp(primals, tangents):
-    inverse, _, b = primals
+    # Both products by `_solve` itself: differentiated again (a Hessian), each
+    # is this rule once more, with `W`'s tangent in the second derivative
+    # (`inverse` has none).
+    inverse, w, b = primals
     _, dw, db = tangents
-    x = inverse @ b
-    return x, inverse @ (db - dw @ x)
+    x = _solve(inverse, w, b)
+    return x, _solve(inverse, w, db - dw @ x)
 
 
 class Rodas5P(diffrax.AbstractAdaptiveSolver):
