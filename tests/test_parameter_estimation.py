@@ -2,6 +2,7 @@
 standard errors, correlations and a report, checked against closed forms."""
 
 import sys
+import warnings
 
 import equinox as eqx
 import hypothesis.strategies as st
@@ -163,6 +164,32 @@ def test_minimize_covariance_from_the_hessian(line_data, scale):
     np.testing.assert_allclose(res.covariance, want, rtol=1e-5)
     if scale != "nll":
         assert res.chisqr == pytest.approx(rss, rel=1e-6)
+
+
+def test_a_hessian_that_is_not_symmetric_is_said_so(line_data):
+    # A derivative rule exact to first order only (`b` held constant in the
+    # derivative in `a`): the Hessian's two mixed entries differ, and
+    # `hessian_uncertainty` says so rather than use one of them silently.
+    @jax.custom_jvp
+    def sse(m, x, y):
+        return jnp.sum(line(m, x, y) ** 2)
+
+    @sse.defjvp
+    def sse_jvp(primals, tangents):
+        m, x, y = primals
+        dm = tangents[0]
+        r = line(m, x, y)
+        held = line({"a": m["a"], "b": jax.lax.stop_gradient(m["b"])}, x, y)
+        return sse(m, x, y), 2 * jnp.sum(held * dm["a"] + r * x * dm["b"])
+
+    x, y = line_data
+    exact = lambda m, x, y: jnp.sum(line(m, x, y) ** 2)
+    res = mini(exact, {"a": 0.0, "b": 0.0}, (x, y), options=dict(gtol=1e-12))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the exact Hessian: nothing said
+        sciflat.hessian_uncertainty(res, exact, args=(x, y), scale="sse", n_data=20)
+    with pytest.warns(UserWarning, match="Hessian is not symmetric"):
+        sciflat.hessian_uncertainty(res, sse, args=(x, y), scale="sse", n_data=20)
 
 
 @pytest.mark.parametrize("scale", ["sse", "mse"])

@@ -70,7 +70,9 @@ def hessian_uncertainty(
     **Returns:**
 
     A copy of `result` with `uncertainty` set (and `chisqr`, `n_data` for sums of
-    squares).
+    squares). A Hessian that is not symmetric (beyond 1e-6 of its diagonal's scale:
+    its derivatives are not exact) gives a `UserWarning`, and its symmetric part is
+    used.
     """
     if result.re is None:
         raise ValueError(
