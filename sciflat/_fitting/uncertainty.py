@@ -132,14 +132,20 @@ def entry_names(re: Restructure, rename: Any = None) -> tuple[str, ...]:
     return tuple(names)
 
 
+def _scales(a: npt.NDArray[np.float64], squared: bool) -> npt.NDArray[np.float64]:
+    """Each parameter's scale: its column's norm in J (`squared`), or `sqrt|H[i, i]|`
+    in H; 1 where that is 0."""
+    d = np.linalg.norm(a, axis=0) if squared else np.sqrt(np.abs(np.diag(a)))
+    return np.where(d > 0, d, 1.0)
+
+
 def _inverse(
     a: npt.NDArray[np.float64], re: Restructure, squared: bool
 ) -> tuple[np.ndarray, tuple[str, ...]]:
     """(JᵀJ)⁺ from J (`squared`) or H⁺ from a symmetric H, column-scaled, with the
     parameters of every dropped direction set to NaN."""
     a = np.asarray(a, np.float64)
-    d = np.linalg.norm(a, axis=0) if squared else np.sqrt(np.abs(np.diag(a)))
-    d = np.where(d > 0, d, 1.0)
+    d = _scales(a, squared)
     scaled = a / d if squared else a / np.outer(d, d)
     if squared:
         # Every direction of `p`: with fewer residuals than parameters (m < n) the
@@ -250,15 +256,14 @@ def jacobian_scale(cost: float, m: int, rank: int) -> str:
 
 
 # Exact second derivatives are symmetric to rounding (1e-12 of the diagonal's scale on
-# the problems tried); a derivative rule that held the corrector's matrix constant in
-# the second derivative of PEtab's BDF made Boehm et al. 2014's 0.09 off.
+# the problems tried); a derivative rule exact to first order only (one that held a
+# matrix constant in the second derivative) made a Hessian 0.09 off.
 SYMMETRIC_TO = 1e-6
 
 
 def asymmetry(hess: npt.NDArray[np.float64]) -> float:
     """The largest `|H[i, j] - H[j, i]|`, each on the scale `sqrt(|H[i, i] H[j, j]|)`."""
-    d = np.sqrt(np.abs(np.diag(hess)))
-    d = np.where(d > 0, d, 1.0)
+    d = _scales(hess, squared=False)
     scaled = hess / np.outer(d, d)
     return float(np.max(np.abs(scaled - scaled.T), initial=0.0))
 
