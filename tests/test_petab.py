@@ -224,33 +224,35 @@ def small_problem(folder, measurements=SMALL_MEASUREMENTS, **changes):
     )
 
 
-def closed_form(k, a0, t):
-    a = 3 * a0 * np.exp(-k * t / 2)
-    return {"A": a, "B": 3 * a0 - a, "C": 5 * np.exp(-2 * k * t)}
+def closed_form(k, a0, t, xp=np):
+    a = 3 * a0 * xp.exp(-k * t / 2)
+    return {"A": a, "B": 3 * a0 - a, "C": 5 * xp.exp(-2 * k * t)}
 
 
 # Each condition's a0 (`again` sets the same number as `low`: one simulation).
 A0 = {"low": 1.0, "high": 2.0, "again": 1.0}
 
 
-def small_nll(k=K, scale=SCALE, sd=SD, measurements=SMALL_MEASUREMENTS, sd_a=None):
+def small_nll(
+    k=K, scale=SCALE, sd=SD, measurements=SMALL_MEASUREMENTS, sd_a=None, xp=np
+):
     """The PEtab negative log-likelihood of the small problem, by hand (obsA's σ is
-    `sd`, or `sd_a(sd, scale)`)."""
+    `sd`, or `sd_a(sd, scale)`); `xp=jnp` for one JAX can differentiate."""
     total = 0.0
     sd = sd if sd_a is None else sd_a(sd, scale)
     for obs, cond, y, t, _, _ in measurements:
         a0 = A0[cond]
-        x = closed_form(k, a0, t)
+        x = closed_form(k, a0, t, xp)
         if obs == "obsA":  # normal, linear
             h = scale * x["A"]
-            total += 0.5 * math.log(2 * math.pi * sd**2) + 0.5 * ((y - h) / sd) ** 2
+            total += 0.5 * xp.log(2 * math.pi * sd**2) + 0.5 * ((y - h) / sd) ** 2
         elif obs == "obsD":  # normal, linear, sigma 0.5, each condition's a0
             r = (y - a0 * x["B"]) / 0.5
             total += 0.5 * math.log(2 * math.pi * 0.5**2) + 0.5 * r**2
         elif obs == "obsC":  # Laplace, linear, sigma 0.1
-            total += math.log(2 * 0.1) + abs(y - x["C"]) / 0.1
+            total += math.log(2 * 0.1) + xp.abs(y - x["C"]) / 0.1
         else:  # normal on the log10 scale
-            r = (math.log10(y) - math.log10(x["B"])) / SD_B
+            r = (math.log10(y) - xp.log10(x["B"])) / SD_B
             total += 0.5 * math.log(2 * math.pi * SD_B**2 * (y * math.log(10)) ** 2)
             total += 0.5 * r**2
     return total
@@ -402,7 +404,8 @@ def test_small_gradient_matches_finite_differences_in_both_modes(small):
     # cannot transpose) is the transpose of their forward sensitivities.
     p, re = sciflat.destructure(small.nominal, dtype=jnp.float64)
     f = lambda x: small.nll(re(x))
-    grad = jax.jacfwd(f)(p)
+    # (with the value forward mode computes beside it)
+    grad, forward_value = jax.jacfwd(lambda x: (y := f(x), y), has_aux=True)(p)
     h = 1e-6
     fd = [(f(p.at[i].add(h)) - f(p.at[i].add(-h))) / (2 * h) for i in range(len(p))]
     np.testing.assert_allclose(grad, fd, rtol=1e-5, atol=1e-6)
@@ -411,7 +414,7 @@ def test_small_gradient_matches_finite_differences_in_both_modes(small):
     # The value that comes with a derivative is that of the solves whose steps
     # control the sensitivities' errors too (BDF's `control_sensitivities`): the
     # same in every mode, and `nll`'s within the solves' tolerances (1e-11 here).
-    np.testing.assert_allclose(value, jax.jvp(f, (p,), (p,))[0], rtol=1e-14)
+    np.testing.assert_allclose(value, forward_value, rtol=1e-14)
     np.testing.assert_allclose(value, f(p), rtol=1e-9)
 
 
@@ -1322,12 +1325,8 @@ def test_bdf_gradients_converge_with_the_tolerances_as_the_values(tmp_path):
     # them, 1.2e-6 along the state's steps alone, and 4e-8 by the adjoint of a
     # solve at 1e-8.
     path = small_problem(tmp_path / "small")
-    tight = sciflat.petab_problem(path, rtol=1e-13, atol=1e-15)
-    p, re = sciflat.destructure(tight.nominal, dtype=jnp.float64)
-    ref = jax.jit(jax.grad(lambda x: tight.nll(re(x))))(p)
-    errors = {}
-    for control in (True, False, "adjoint"):
-        problem = sciflat.petab_problem(
+    problems = {
+        control: sciflat.petab_problem(
             path,
             rtol=1e-6,
             atol=1e-8,
@@ -1336,6 +1335,15 @@ def test_bdf_gradients_converge_with_the_tolerances_as_the_values(tmp_path):
                 adjoint=control == "adjoint",
             ),
         )
+        for control in (True, False, "adjoint")
+    }
+    # The converged gradient: the closed form's (log10 k, scale, log sd).
+    assert problems[True].parameter_ids == ("k", "scale", "sd")
+    p, re = sciflat.destructure(problems[True].nominal, dtype=jnp.float64)
+    closed = lambda x: small_nll(10 ** x[0], x[1], jnp.exp(x[2]), xp=jnp)
+    ref = jax.grad(closed)(p)
+    errors = {}
+    for control, problem in problems.items():
         f = lambda x, problem=problem: problem.nll(re(x))
         value, grad = jax.jit(jax.value_and_grad(f))(p)
         errors[control] = float(jnp.linalg.norm(grad - ref) / jnp.linalg.norm(ref))
