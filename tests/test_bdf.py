@@ -185,9 +185,10 @@ def _recorded_adjoint(f, jac, ts):
 @pytest.mark.slow  # compiles the recorded solve, its adjoint and forward mode: seconds
 @settings(max_examples=6, deadline=None)
 @given(
-    # One condition or two: a batch of two compiles the programs that the test
-    # below runs too (each batch size is a compilation of all three).
-    stiffness=st.lists(st.floats(0.5, 30.0), min_size=1, max_size=2),
+    # A batch of two conditions, each its own stiffness: the programs the test below
+    # runs too (each batch size is a compilation of all three; the adjoint of
+    # one condition at a time is in `tests/test_petab.py`, chunks of one).
+    stiffness=st.lists(st.floats(0.5, 30.0), min_size=2, max_size=2),
     seed=st.integers(0, 2**16),
 )
 def test_the_adjoint_of_the_steps_is_the_transpose_of_forward_mode(

@@ -138,7 +138,9 @@ def run_pages(pages: list[Path]) -> list[dict]:
 
     import sciflat  # noqa: F401
 
-    for name in ("optax", "diffrax", "matplotlib.pyplot"):
+    # (and what `sciflat.petab_problem` imports: petab's tables and linter, with
+    # scipy.stats and pandas, ~3 s of each PEtab page's run otherwise)
+    for name in ("optax", "diffrax", "matplotlib.pyplot", "petab.v1.lint", "sympy"):
         __import__(name)
     results = []
     for page in pages:
