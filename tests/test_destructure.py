@@ -9,16 +9,16 @@ from jax.flatten_util import ravel_pytree
 
 import sciflat
 from helpers import (
+    EdgeModels,
     Mixed,
     Tied,
-    edge_models,
     inexact_dtypes,
     run_on_host_devices,
     tree_allclose,
 )
 
 
-EDGE = edge_models()
+EDGE = EdgeModels()  # built when a test first reads it
 
 #
 # Which leaves go into `p`, and in which order

@@ -21,7 +21,7 @@ import pytest
 import scipy.optimize
 
 import sciflat
-from helpers import edge_models
+from helpers import EdgeModels
 
 
 F32, F64, BF16 = np.dtype(np.float32), np.dtype(np.float64), np.dtype(jnp.bfloat16)
@@ -62,7 +62,7 @@ def model_case(name: str):
             lambda m: m.scale, jax.tree.map(lambda _: True, model), False
         )
         return model, jnp.array([0.3, -1.0, 2.0]), spec
-    model, x = edge_models()[name]
+    model, x = EdgeModels()[name]  # (every model built once, at the first)
     return model, x, True
 
 

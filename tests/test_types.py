@@ -9,7 +9,7 @@ import numpy as np
 import optax
 
 import sciflat
-from helpers import edge_models
+from helpers import EdgeModels
 
 
 def _hint(fn, name: str):
@@ -22,7 +22,7 @@ def test_flat_vectors_match_their_jaxtyping_annotations(tmp_path):
     # The annotation really checks: a matrix, an int vector are not flat vectors.
     assert not isinstance(jnp.ones((2, 2)), p_type)
     assert not isinstance(jnp.arange(3), p_type)
-    for model, _ in edge_models().values():
+    for model, _ in EdgeModels().values():
         p, re = sciflat.destructure(model)
         assert isinstance(p, p_type)
         sciflat.save(tmp_path / "m.npz", p, re)
