@@ -258,6 +258,12 @@ def small_nll(
     return total
 
 
+def small_nll_of_p(x, measurements=SMALL_MEASUREMENTS):
+    """`small_nll` of the flat vector of `(k, scale, sd)` on their scales in the table
+    (log10, linear, natural log), in JAX: the closed form to differentiate."""
+    return small_nll(10 ** x[0], x[1], jnp.exp(x[2]), measurements, xp=jnp)
+
+
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
     path = small_problem(tmp_path_factory.mktemp("petab") / "small")
@@ -530,7 +536,7 @@ def test_conditions_that_are_one_simulation_are_solved_once(tmp_path, monkeypatc
     assert each._objective._sims.distinct
     p, re = sciflat.destructure(once.nominal, dtype=jnp.float64)
     value, grad = jax.jit(jax.value_and_grad(lambda x: once.nll(re(x))))(p)
-    closed = lambda x: small_nll(10 ** x[0], x[1], jnp.exp(x[2]), measurements, xp=jnp)
+    closed = lambda x: small_nll_of_p(x, measurements)
     # (7e-14 here; a condition read from the wrong simulation is O(1) off)
     np.testing.assert_allclose(value, closed(p), rtol=1e-12)
     np.testing.assert_allclose(grad, jax.grad(closed)(p), rtol=1e-11)
@@ -1328,7 +1334,7 @@ def test_bdf_gradients_converge_with_the_tolerances_as_the_values(tmp_path):
     # The converged gradient: the closed form's (log10 k, scale, log sd).
     assert problems[True].parameter_ids == ("k", "scale", "sd")
     p, re = sciflat.destructure(problems[True].nominal, dtype=jnp.float64)
-    closed = lambda x: small_nll(10 ** x[0], x[1], jnp.exp(x[2]), xp=jnp)
+    closed = small_nll_of_p
     ref = jax.grad(closed)(p)
     errors = {}
     for control, problem in problems.items():
