@@ -463,9 +463,10 @@ def floor(cases: list[str], repeats: int) -> None:
 
 
 def _floor_row(name: str, case: dict, repeats: int) -> None:
-    # The batch's own pieces (`_device.least_squares.with_jacobian`, `_normal`,
+    # The batch's own pieces (`_device.jacobian.with_jacobian`, `_normal`,
     # `_lm`), each jitted and vmapped over the slots on its own.
     from sciflat._device import batch as batch_module, least_squares as dls
+    from sciflat._device.jacobian import with_jacobian
     from sciflat._solver import lm as _lm, normal as _normal
 
     names, (k, m), n = case["names"], case["data"].shape, len(case["names"])
@@ -476,7 +477,7 @@ def _floor_row(name: str, case: dict, repeats: int) -> None:
 
     def both(x, z):
         r = lambda x: residuals(dict(zip(names, x, strict=True)), *args, z)
-        return dls.with_jacobian(r, "forward")(x)
+        return with_jacobian(r, "forward")(x)
 
     evaluate = jax.jit(jax.vmap(both))
     moments = jax.jit(_normal.moments)

@@ -37,6 +37,7 @@ from .._flatten import Restructure
 from .._solver import lm as _lm, normal as _normal
 from .._transforms import has_transforms
 from . import least_squares as dls
+from .jacobian import evaluation, residual_fn
 
 
 _M = TypeVar("_M")
@@ -558,11 +559,12 @@ def _jacobians(fits: _Fits, mode: str, xs: np.ndarray, which: np.ndarray) -> lis
 
 
 def _build_jacobians(kind: _Jacobians, residuals, re, rebuild, mode: str) -> Callable:
-    r = dls.residual_fn(residuals, re, rebuild)
+    r = residual_fn(residuals, re, rebuild)
+    evaluate = evaluation(residuals, re, rebuild, mode)
 
     def jacobians(xs, leaves):
         shared, batched = leaves[: kind.n_shared], leaves[kind.n_shared :]
-        one = lambda x, b: dls.with_jacobian(lambda x: r(x, [*shared, *b]), mode)(x)
+        one = lambda x, b: evaluate(x, [*shared, *b])
         first = lambda x: r(x, [*shared, *_member(batched, 0)])
         one_by_one = jax.default_backend() == "cpu" and _calls_lapack(first, xs[0])
         return _over_slots(one, (0, 0), one_by_one)(xs, batched)[1]
@@ -633,7 +635,7 @@ def _n_residuals(residuals, re, args, data, x0) -> int:
 
 
 def _residuals(kind, residuals, re, rebuild, mode: str) -> Callable:
-    return dls.residual_fn(residuals, re, rebuild)
+    return residual_fn(residuals, re, rebuild)
 
 
 def _place(tree, devices):
@@ -658,7 +660,8 @@ def _build(pool: _Pool, residuals, re, rebuild, mode: str) -> Callable:
     n_shared, n_devices = pool.n_shared, pool.n_devices
     normal = isinstance(pool.algorithm, NormalEquations)
     one_call = pool.one_call
-    r = dls.residual_fn(residuals, re, rebuild)
+    r = residual_fn(residuals, re, rebuild)
+    evaluate = evaluation(residuals, re, rebuild, mode)
     # Several CPU devices run their loops at once on XLA's thread pool, where
     # jaxlib's batched LAPACK calls can wait on each other for ever: one matrix at a
     # time there (`_lm.one_at_a_time`), and one slot at a time where the residuals
@@ -669,7 +672,7 @@ def _build(pool: _Pool, residuals, re, rebuild, mode: str) -> Callable:
     def evaluated(state, step, new, x0, opts, shared, batched):
         """A slot's turn: a `new` slot starts its fit at `x0`, another tries `step`
         (`_lm.accept`), with one evaluation either way."""
-        both = dls.with_jacobian(lambda x: r(x, [*shared, *batched]), mode)
+        both = lambda x: evaluate(x, [*shared, *batched])
         x_new = _lm.trial_point(state, step)
         f, jac = both(jnp.where(new, x0, x_new))
         if f.shape[0] > _lm._IN_ORDER:
@@ -699,7 +702,7 @@ def _build(pool: _Pool, residuals, re, rebuild, mode: str) -> Callable:
         x = jnp.where(new[:, None], x0, x_new)
 
         def both(x, batched):
-            return dls.with_jacobian(lambda x: r(x, [*shared, *batched]), mode)(x)
+            return evaluate(x, [*shared, *batched])
 
         def reading(x, batched):
             return _normal.moments(*over_slots(both, (0, 0))(x, batched))

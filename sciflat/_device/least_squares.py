@@ -13,7 +13,6 @@ from numpy.typing import DTypeLike
 from .._fitting.delta import for_values
 from .._fitting.gradients import Mode, choose_modes
 from .._fitting.inputs import Inputs
-from .._fitting.problem import check_float64, residual_vector
 from .._fitting.programs import Programs
 from .._fitting.result import FitResult
 from .._fitting.uncertainty import (
@@ -31,6 +30,7 @@ from .._solver.minpack import (
     status_and_message,
 )
 from .._transforms import has_transforms
+from .jacobian import evaluation, residual_fn
 
 
 # The history keeps the cost of at most this many accepted steps (it is part of the
@@ -73,26 +73,6 @@ def fit_dtype(model) -> np.dtype:
 _TOL_EPS = 10
 
 
-def residual_fn(residuals, re, rebuild) -> Callable:
-    """`(x, leaves) -> residuals(re(x), *args)` as one vector in `x`'s dtype, or a
-    clear error."""
-
-    def r(x, leaves):
-        out = residual_vector(residuals(re(x), *rebuild(leaves)))
-        if x.dtype == np.float64:
-            check_float64(out, "The residuals")
-        elif out.dtype != x.dtype:
-            raise TypeError(
-                f"The residuals have dtype {out.dtype.name}; the device fit computes in "
-                f"`p`'s dtype, {x.dtype.name} here, so something in the residuals or "
-                "their data casts (data in float64?). Give the data in "
-                f"{x.dtype.name}, or find the cast with `sciflat.audit_dtypes`."
-            )
-        return out
-
-    return r
-
-
 def lm_options(options: Minpack, n: int, dtype: DTypeLike = np.float64) -> _lm.Options:
     """`options` as scalars of the fit's `dtype` and `diag` (zeros: from the
     Jacobian). Below float64, each tolerance is at least `_TOL_EPS` eps."""
@@ -108,24 +88,6 @@ def lm_options(options: Minpack, n: int, dtype: DTypeLike = np.float64) -> _lm.O
     )
 
 
-def with_jacobian(r: Callable, mode: str) -> Callable:
-    """`x -> (r(x), J(x))` in one pass: forward mode carries the residuals along."""
-    if mode == "forward":
-
-        def both(x):
-            jac, f = jax.jacfwd(lambda x: (r(x), r(x)), has_aux=True)(x)
-            return f, jac
-
-        return both
-
-    def both_reverse(x):
-        f, vjp = jax.vjp(r, x)
-        (jac,) = jax.vmap(vjp)(jnp.eye(f.shape[0], dtype=f.dtype))
-        return f, jac
-
-    return both_reverse
-
-
 @dataclasses.dataclass(frozen=True)
 class DeviceFit:
     """What the compiled single fit is built for (static: `jit` keys on it)."""
@@ -139,13 +101,14 @@ def _build(kind: DeviceFit, residuals, re, rebuild, mode: str) -> Callable:
     fitted model)."""
     history = kind.history
     r = residual_fn(residuals, re, rebuild)
+    evaluate = evaluation(residuals, re, rebuild, mode)
 
     def fit(start, leaves):
         x0, opts = _unpack_start(start)
         check_shape(
             jax.eval_shape(r, x0, leaves).shape[0], x0.shape[0], "least_squares"
         )
-        both = with_jacobian(lambda x: r(x, leaves), mode)
+        both = lambda x: evaluate(x, leaves)
         state = _lm.solve(both, x0, opts, history)
         grad = state.jac.T @ state.f  # SciPy's `grad` and `optimality`, of the cost
         host = dict(outputs(state), f=state.f, history=state.history, grad=grad)
