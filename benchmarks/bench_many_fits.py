@@ -463,10 +463,10 @@ def floor(cases: list[str], repeats: int) -> None:
 
 
 def _floor_row(name: str, case: dict, repeats: int) -> None:
-    # The batch's own pieces (`_device.jacobian.with_jacobian`, `_normal`,
-    # `_lm`), each jitted and vmapped over the slots on its own.
+    # The batch's own pieces (`_device.jacobian.evaluation`, `_normal`, `_lm`),
+    # each jitted and vmapped over the slots on its own.
     from sciflat._device import batch as batch_module, least_squares as dls
-    from sciflat._device.jacobian import with_jacobian
+    from sciflat._device.jacobian import evaluation
     from sciflat._solver import lm as _lm, normal as _normal
 
     names, (k, m), n = case["names"], case["data"].shape, len(case["names"])
@@ -475,14 +475,15 @@ def _floor_row(name: str, case: dict, repeats: int) -> None:
     residuals, args = case["residuals"], case["args"]
     opts, _ = dls.options(case["options"], n, "floor")
 
-    def both(x, z):
-        r = lambda x: residuals(dict(zip(names, x, strict=True)), *args, z)
-        return with_jacobian(r, "forward")(x)
-
-    evaluate = jax.jit(jax.vmap(both))
+    _, re = sciflat.destructure(dict(zip(names, case["starts"][0], strict=True)))
+    both = evaluation(lambda m, z: residuals(m, *args, z), re, tuple, "forward")
+    evaluate = jax.jit(jax.vmap(lambda x, z: both(x, [z])))
     moments = jax.jit(_normal.moments)
-    # As in the pool's program: `moments` of the evaluation, fused with it.
-    evaluated = jax.jit(lambda x, z: _normal.moments(*jax.vmap(both)(x, z)))
+    # As in the pool's program: `moments` of the evaluation (written to memory first
+    # above 64 residuals).
+    evaluated = jax.jit(
+        lambda x, z: _normal.moments(*batch_module._written(*evaluate(x, z)))
+    )
     start = jax.vmap(lambda x, g, a, ms: _lm.started(x, g, a, opts, 1, ms))
     f, jac = evaluate(xs, data)
     states = jax.jit(start)(xs, *_swap(moments(f, jac)))

