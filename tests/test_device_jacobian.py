@@ -127,3 +127,18 @@ def test_a_device_fit_of_a_tied_model_reports_the_jacobian_of_p(method):
     _, re_ = sciflat.destructure(model)
     expected = jax.jacfwd(lambda p: residuals(re_(p), t, y))(jnp.asarray(fit.p))
     np.testing.assert_allclose(fit.raw.jac, expected, rtol=1e-12)
+
+
+def test_an_infinite_partial_stays_in_its_own_column():
+    """`sqrt(b)` at `b = 0`: its derivative in `b` is infinite. `jax.jacfwd` of `p`
+    multiplies it by the zero tangent of `a`'s direction, `0 · inf`, and gives NaN
+    in `a`'s column; differentiated on its own, `a`'s column is `t`."""
+
+    def residuals(m, t):
+        return m["a"] * t + jnp.sqrt(m["b"])
+
+    p, re_ = sciflat.destructure(dict(a=jnp.asarray(2.0), b=jnp.asarray(0.0)))
+    _, jac = jacobian.evaluation(residuals, re_, tuple, "forward")(p, [T])
+    np.testing.assert_array_equal(jac[:, 0], T)
+    assert np.all(np.isinf(jac[:, 1]))
+    assert np.all(np.isnan(_plain_jacobian(residuals, re_, p, T)[:, 0]))

@@ -4,11 +4,12 @@ Forward mode differentiates one trainable array of the model at a time (`jax.jvp
 that array alone, the others held as they are), not the flat vector `x` at once
 (`jax.jacfwd`, whose tangent of each direction is a vector of `n` entries, zeros but
 one): JAX then drops every term of the tangent that no direction reaches (symbolic
-zeros), where `jacfwd` computes them as products with 0. For Gpufit's 2-D Gaussian
-(five scalars) the Jacobian is then the few products its closed form has, and a
-batch of spots runs 1.4 times as fast; its entries are the same numbers (a product
-with 0 added to a number is that number), except that where a term is infinite or
-NaN `jacfwd`'s `0 · inf` gave NaN and this gives the term's true value.
+zeros), where `jacfwd` computes them as products with 0, which XLA cannot drop
+(`0 · inf` is NaN). For Gpufit's 2-D Gaussian (five scalars) the Jacobian is then
+the few products of its closed form, and a batch of spots runs 1.37 times as fast.
+The same Jacobian, but where a partial derivative inside the residuals is infinite
+(`sqrt(b)` at `b = 0`): `jacfwd`'s other columns get `0 · inf`, NaN, these their
+own values.
 """
 
 from collections.abc import Callable
