@@ -31,7 +31,7 @@ def _plain_jacobian(residuals, re, p, *args):
     return jax.jacfwd(lambda p: residuals(re(p), *args))(p)
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(
     values=st.lists(st.floats(-2.0, 2.0), min_size=9, max_size=9),
     w_shape=st.sampled_from([None, (1,), (3,), (2, 2)]),
