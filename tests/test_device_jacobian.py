@@ -142,3 +142,25 @@ def test_an_infinite_partial_stays_in_its_own_column():
     np.testing.assert_array_equal(jac[:, 0], T)
     assert np.all(np.isinf(jac[:, 1]))
     assert np.all(np.isnan(_plain_jacobian(residuals, re_, p, T)[:, 0]))
+
+
+def test_residuals_with_a_loop_keep_one_pass_of_every_direction():
+    """An ODE solved by a loop (Euler's steps here; Diffrax's and `BDF`'s solves are
+    while loops): a pass per array would run the loop once per array, as XLA cannot
+    merge loops. The Jacobian's program holds one loop, and `jacfwd`'s Jacobian."""
+
+    def residuals(m, t):
+        def step(_, y):
+            return y + 0.01 * (-m["k"] * y + m["b"])
+
+        y = jax.lax.fori_loop(0, 50, step, m["a"] * jnp.ones_like(t))
+        return y * t
+
+    model = jax.tree.map(jnp.asarray, dict(a=1.0, b=0.3, k=2.0))
+    p, re_ = sciflat.destructure(model)
+    evaluate = jacobian.evaluation(residuals, re_, tuple, "forward")
+    text = str(jax.make_jaxpr(lambda p: evaluate(p, [T]))(p))
+    assert text.count(" while[") + text.count(" scan[") == 1
+    np.testing.assert_allclose(
+        evaluate(p, [T])[1], _plain_jacobian(residuals, re_, p, T), rtol=1e-13
+    )

@@ -54,12 +54,39 @@ def _checked(out: jax.Array, dtype) -> jax.Array:
 def evaluation(residuals: Callable, re: Callable, rebuild: Callable, mode: str):
     """`(x, leaves) -> (r(x), J(x))`, the residuals (`residual_fn`) and their
     Jacobian in one pass: in forward mode one trainable array at a time (the module's
-    note) where the model has at most `MAX_ARRAYS` of them, none complex; else
-    `jax.jacfwd` of `x`, or reverse mode (`mode="reverse"`)."""
+    note) where the model has at most `MAX_ARRAYS` of them, none complex, and the
+    residuals no loop; else `jax.jacfwd` of `x`, or reverse mode (`mode="reverse"`)."""
     r = residual_fn(residuals, re, rebuild)
-    if mode == "forward" and isinstance(re, Restructure) and _by_arrays(re):
-        return _forward_by_arrays(residuals, re, rebuild)
-    return lambda x, leaves: with_jacobian(lambda x: r(x, leaves), mode)(x)
+    at_once = lambda x, leaves: with_jacobian(lambda x: r(x, leaves), mode)(x)
+    if not (mode == "forward" and isinstance(re, Restructure) and _by_arrays(re)):
+        return at_once
+    by_arrays = _forward_by_arrays(residuals, re, rebuild)
+
+    def both(x, leaves):
+        # A pass per array repeats the residuals' primal computation, which XLA
+        # merges, except inside loops (an ODE solve's steps): there each pass
+        # would solve again. Such residuals keep one pass of every direction.
+        if _has_loops(jax.make_jaxpr(lambda x: r(x, leaves))(x).jaxpr):
+            return at_once(x, leaves)
+        return by_arrays(x, leaves)
+
+    return both
+
+
+_LOOPS = frozenset({"while", "scan"})
+
+
+def _has_loops(jaxpr) -> bool:
+    """Whether `jaxpr`, or a jaxpr inside one of its operations, has a loop."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in _LOOPS:
+            return True
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's, or a Jaxpr
+                if hasattr(inner, "eqns") and _has_loops(inner):
+                    return True
+    return False
 
 
 def _by_arrays(re: Restructure) -> bool:
@@ -99,7 +126,8 @@ def with_jacobian(r: Callable, mode: str) -> Callable:
     if mode == "forward":
 
         def both(x):
-            jac, f = jax.jacfwd(lambda x: (r(x), r(x)), has_aux=True)(x)
+            # `r` called once: twice, a loop inside it (an ODE's solve) ran twice.
+            jac, f = jax.jacfwd(lambda x: (lambda y: (y, y))(r(x)), has_aux=True)(x)
             return f, jac
 
         return both
