@@ -552,10 +552,10 @@ def _mixed_tie_message(path: str) -> str:
     )
 
 
-def trainable_arrays(re: Restructure) -> tuple[tuple[tuple[int, ...], bool], ...]:
-    """The shape of each unique trainable array of `re`'s model, in `p` order, and
-    whether it is complex (`pieces`' first list holds them)."""
-    return tuple((s.shape, s.complex) for s in re._spec.slots)
+def complex_arrays(re: Restructure) -> tuple[bool, ...]:
+    """For each unique trainable array of `re`'s model, in `p` order (`pieces`' first
+    list), whether it is complex."""
+    return tuple(s.complex for s in re._spec.slots)
 
 
 def pieces(re: Restructure, p: jax.Array) -> tuple[list, list]:

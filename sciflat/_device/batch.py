@@ -657,7 +657,7 @@ def _written(f, jac):
     spots (a model of five scalars, each differentiated on its own: `jacobian.py`)
     ran 1.8x slower and gave other bits (fits up to 2.5e-2 apart at lmfit's
     tolerances) than with the Jacobian computed on its own. Gpufit's 5 x 5 spots ran
-    1.1-1.2x slower with the barrier: below `_IN_ORDER` residuals there is none."""
+    1.06-1.2x slower with the barrier: below `_IN_ORDER` residuals there is none."""
     if f.shape[-1] > _lm._IN_ORDER:
         f, jac = jax.lax.optimization_barrier((f, jac))
     return f, jac

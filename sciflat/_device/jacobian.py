@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._fitting.problem import check_float64, residual_vector
-from .._flatten import Restructure, from_pieces, pieces, trainable_arrays
+from .._flatten import Restructure, complex_arrays, from_pieces, pieces
 
 
 # Above this many trainable arrays, forward mode is one `jax.jacfwd` of the flat
@@ -33,12 +33,14 @@ def residual_fn(residuals: Callable, re: Callable, rebuild: Callable) -> Callabl
     clear error."""
 
     def r(x, leaves):
-        return _checked(residual_vector(residuals(re(x), *rebuild(leaves))), x.dtype)
+        return _vector(residuals(re(x), *rebuild(leaves)), x.dtype)
 
     return r
 
 
-def _checked(out: jax.Array, dtype) -> jax.Array:
+def _vector(out, dtype) -> jax.Array:
+    """The residuals `out` as one vector of `dtype`, or a clear error."""
+    out = residual_vector(out)
     if dtype == np.float64:
         check_float64(out, "The residuals")
     elif out.dtype != dtype:
@@ -90,8 +92,8 @@ def _has_loops(jaxpr) -> bool:
 
 
 def _by_arrays(re: Restructure) -> bool:
-    arrays = trainable_arrays(re)
-    return 0 < len(arrays) <= MAX_ARRAYS and not any(c for _, c in arrays)
+    flags = complex_arrays(re)
+    return 0 < len(flags) <= MAX_ARRAYS and not any(flags)
 
 
 def _forward_by_arrays(residuals, re: Restructure, rebuild) -> Callable:
@@ -102,7 +104,7 @@ def _forward_by_arrays(residuals, re: Restructure, rebuild) -> Callable:
         def vary(j):
             def r(a):
                 model = from_pieces(re, ([*arrays[:j], a, *arrays[j + 1 :]], casts))
-                return _checked(residual_vector(residuals(model, *args)), x.dtype)
+                return _vector(residuals(model, *args), x.dtype)
 
             return r
 
