@@ -35,7 +35,11 @@ nominal parameters:
   defaults (rtol 1e-8, atol 1e-16), without and with its sensitivities; both
   single-threaded on the host. Medians of interleaved rounds, and the ratio. Where
   AMICI's defaults fail (their 10,000 steps too few: its llh nan), AMICI is timed
-  with `max_steps` 10**6, and the table says so.
+  with `max_steps` 10**6, and the table says so. With `--processes N`, each problem
+  is measured in N fresh processes, one after the other (a process's times can move
+  by up to a half from one process to the next, with how XLA's pool of threads runs
+  the solves' loops in it): the times are the medians over the processes, and the
+  ratio's cell gives the range of the N processes' own ratios beside the median's.
 - first call: sciflat's `petab_problem` (read) plus its first `nll` (trace, compile,
   run) and its first gradient; AMICI's model build (code generation and C++ build,
   once per model: cached under `--amici-models`, its time kept beside it) and its load
@@ -44,6 +48,7 @@ nominal parameters:
     python benchmarks/bench_petab.py --amici --extra /path/to/more/problems
     python benchmarks/bench_petab.py --amici --only Boehm_JProteomeRes2014 --repeats 5
     python benchmarks/bench_petab.py --amici --amici-only   # AMICI's reference llh
+    python benchmarks/bench_petab.py --amici --only Laske_PLOSComputBiol2019 --processes 3
 
 Without AMICI installed, `--amici` says so and measures nothing.
 """
@@ -413,6 +418,25 @@ def _child(args: list[str], timeout: float) -> tuple[dict[str, Any], str]:
     return records, status
 
 
+def _over_processes(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One problem measured in several fresh processes: the first process's record
+    (values, first calls), its per-call times replaced by their medians over the
+    processes, and each process's ratios sciflat / AMICI kept (`ratios`)."""
+    record = dict(runs[0])
+    for key in [k for k in record if k.endswith("_ms")]:
+        values = [r[key] for r in runs if r.get(key) is not None]
+        record[key] = statistics.median(values) if values else None
+    record["ratios"] = {
+        kind: [
+            r[f"sciflat_{kind}_ms"] / r[f"amici_{kind}_ms"]
+            for r in runs
+            if r.get(f"sciflat_{kind}_ms") and r.get(f"amici_{kind}_ms")
+        ]
+        for kind in ("llh", "grad")
+    }
+    return record
+
+
 def _rel(a: Any, b: Any) -> float | None:
     import numpy as np
 
@@ -456,6 +480,9 @@ def _row(name: str, r: dict[str, Any], status: str) -> str:
     for kind in ("llh", "grad"):
         s, a = r.get(f"sciflat_{kind}_ms"), r.get(f"amici_{kind}_ms")
         ratio = f" ({s / a:.1f}×)" if s and a else ""
+        each = r.get("ratios", {}).get(kind, [])
+        if len(each) > 1:  # the median over processes, then each process's range
+            ratio = f" ({s / a:.1f}×; {min(each):.1f}–{max(each):.1f})"
         times.append(f"{_fmt_ms(s)} / {_fmt_ms(a)}{ratio}")
     first = "—"
     if "sciflat_read_s" in r:
@@ -515,24 +542,27 @@ def against_amici(args: argparse.Namespace) -> None:
             "amici_build_s": json.loads(built.read_text())["build_s"]
         }
         print(f"{name}: measuring ...", file=sys.stderr, flush=True)
-        rec, status = _child(
-            [
-                "--one",
-                str(yaml),
-                "--amici-models",
-                str(models),
-                "--repeats",
-                str(args.repeats),
-                "--seconds",
-                str(args.seconds),
-                *(["--amici-only"] if args.amici_only else []),
-                *(["--values-only"] if args.values_only else []),
-                *(["--grad-tol", *map(str, args.grad_tol)] if args.grad_tol else []),
-                "--amici-sensitivities",
-                args.amici_sensitivities,
-            ],
-            args.timeout,
-        )
+        child = [
+            "--one",
+            str(yaml),
+            "--amici-models",
+            str(models),
+            "--repeats",
+            str(args.repeats),
+            "--seconds",
+            str(args.seconds),
+            *(["--amici-only"] if args.amici_only else []),
+            *(["--values-only"] if args.values_only else []),
+            *(["--grad-tol", *map(str, args.grad_tol)] if args.grad_tol else []),
+            "--amici-sensitivities",
+            args.amici_sensitivities,
+        ]
+        rec, status = _child(child, args.timeout)
+        runs = [rec]
+        while status == "ok" and len(runs) < args.processes:
+            again, status = _child(child, args.timeout)
+            runs.append(again)
+        rec = _over_processes(runs) if status == "ok" else rec
         record.update(rec)
         record["status"] = status
         results[name] = record
@@ -597,6 +627,13 @@ if __name__ == "__main__":
         "--amici-models",
         default=os.environ.get("SCIFLAT_AMICI_MODELS", str(_MODELS)),
         help="where AMICI's built models are kept",
+    )
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="measure each problem in this many fresh processes: per-call times are "
+        "the medians over them, with each process's ratio's range",
     )
     parser.add_argument("--json", help="also write the records to this file")
     parser.add_argument("--from-json", help="only print the table of these records")
