@@ -447,6 +447,40 @@ def test_a_small_models_steps_touch_no_array_above_512_bytes(x64):
     assert all(eqn.primitive.name != "dot_general" for eqn in _eqns(body))
 
 
+@pytest.mark.slow  # compiles the recorded solve twice: seconds
+def test_a_small_models_record_goes_through_a_ring_of_the_same_rows(x64, monkeypatch):
+    # The recorded solve (the adjoint's forward pass) writes each attempt's row to a
+    # ring of a few attempts, copied into the record when it is full: its attempts'
+    # loop touches no buffer above 512 bytes, as the plain solve's (the record is
+    # 8,192 rows), and the record is the one written row by row, to the bit.
+    from sciflat._petab import bdf
+
+    def chain(t, y, k):
+        return k[0] * (jnp.roll(y, 1) - y) - 0.1 * y**2
+
+    jac = jax.jacfwd(chain, argnums=1)
+    k, y0 = jnp.ones((1, 1)), jnp.linspace(1.0, 2.0, 8)[None]
+    ts = np.linspace(0.0, 10.0, 60)
+
+    def recorded(k, y0):
+        return bdf_solve(chain, jac, k, y0, ts, 1e-8, 1e-12, 100_000, record=True)
+
+    assert bdf._ring_rows(8 * (8 + len(bdf._RECORD)), bdf._SEGMENT) == 4
+    loops = _all_loops(jax.make_jaxpr(recorded)(k, y0).jaxpr)
+    attempts = [eqn for eqn in loops if _height(eqn) == 1]
+    assert len(attempts) == 1
+    assert _largest(attempts[0].params["body_jaxpr"].jaxpr) <= 512
+    ys, ok, kept = jax.jit(recorded)(k, y0)
+    monkeypatch.setattr(bdf, "_ring_rows", lambda *_: 1)
+    rows_ys, rows_ok, rows = jax.jit(lambda k, y0: recorded(k, y0))(k, y0)
+    np.testing.assert_array_equal(ok, rows_ok)
+    n = int(kept["attempts"])
+    assert bool(ok[0]) and int(rows["attempts"]) == n > 10 * 4
+    np.testing.assert_array_equal(kept["rows"][:n], rows["rows"][:n])
+    np.testing.assert_array_equal(kept["source"], rows["source"])
+    np.testing.assert_array_equal(ys, rows_ys)
+
+
 def test_bdf_options_are_checked():
     assert sciflat.BDF() == sciflat.BDF(max_order=5)
     assert hash(sciflat.BDF(3)) == hash(sciflat.BDF(3))

@@ -190,6 +190,17 @@ _RECORD = (
 )  # fmt: skip
 
 
+def _ring_rows(row_bytes: int, rows_kept: int) -> int:
+    """How many attempts' rows `bdf_solve(..., record=True)` keeps in its ring
+    before copying them into the record: the most, a power of two dividing
+    `rows_kept`, within XLA:CPU's 512 bytes for a loop run on the calling thread; 1
+    (no ring) where two rows exceed them."""
+    ring = 1
+    while 2 * ring * row_bytes <= 512 and rows_kept % (2 * ring) == 0:
+        ring *= 2
+    return ring
+
+
 def _record_rows(rows: jax.Array, n: int) -> dict[str, jax.Array]:
     """The record's rows `(..., n + 8)` as named arrays (`y` and `_RECORD`)."""
     out = {"y": rows[..., :n]}
@@ -844,6 +855,12 @@ def bdf_solve(
         # attempt, not one for each): `_RECORD` after the state `y`.
         rows_kept = min(_SEGMENT, max_steps)
         book = jnp.zeros((rows_kept, n_cond, n + len(_RECORD)), dtype)
+        # A small model's rows go first to a ring of a few attempts, copied into
+        # the record when it is full or the attempts stop: the attempts' loop then
+        # touches no buffer above XLA:CPU's 512 bytes, and runs kernel after kernel
+        # on the calling thread instead of as a graph on its pool (the loop that
+        # writes the record itself holds the whole record).
+        ring = _ring_rows(book[0].nbytes, rows_kept)
 
         def attempt_kept(carry):
             s, book = carry
@@ -858,7 +875,7 @@ def bdf_solve(
             )
             numbers = jnp.stack([made[k].astype(dtype) for k in _RECORD], axis=1)
             row = jnp.concatenate([tr["y_new"], numbers], axis=1)
-            book = book.at[s["attempts"] % rows_kept].set(row)
+            book = book.at[s["attempts"] % book.shape[0]].set(row)
             return dict(rest, d=d, d_acc=d_acc), book
 
         def segment(s, book, ys, source):
@@ -868,12 +885,23 @@ def bdf_solve(
 
             def steps_kept(carry):
                 s, book, ys, source = carry
-                s, book = jax.lax.while_loop(
-                    lambda c: stepping(c[0]) & (c[0]["attempts"] < limit),
-                    attempt_kept,
-                    (s, book),
-                )
-                # (Nothing pending, at the segment's end: outputs unchanged.)
+                if ring > 1:  # the attempts to the ring's end, then the ring copied
+                    end = jnp.minimum(limit, (s["attempts"] // ring + 1) * ring)
+                    at = (end - ring) % rows_kept  # the ring's first row in `book`
+                    s, rows = jax.lax.while_loop(
+                        lambda c: stepping(c[0]) & (c[0]["attempts"] < end),
+                        attempt_kept,
+                        (s, jax.lax.dynamic_slice_in_dim(book, at, ring)),
+                    )
+                    book = jax.lax.dynamic_update_slice_in_dim(book, rows, at, axis=0)
+                else:
+                    s, book = jax.lax.while_loop(
+                        lambda c: stepping(c[0]) & (c[0]["attempts"] < limit),
+                        attempt_kept,
+                        (s, book),
+                    )
+                # (Nothing pending, at the segment's or the ring's end: outputs
+                # unchanged.)
                 ys, source, s = passed_from(s, s["d_acc"], ys, source)
                 return s, book, ys, source
 
