@@ -1112,9 +1112,16 @@ def bdf_adjoint(
         """Attempt `i` (its record `r`, the factors of its transposed Newton
         matrix) run backwards: the differences' cotangent before it, and the
         cotangent of its corrector's `c f(t, y, k)` (for `constants`')."""
-        # The rescaling to the next step, then the outputs read before it.
-        _, pull = jax.vjp(lambda d: change(d, r["order_next"], r["factor"]), zeros_d)
-        lam = jnp.where(r["rescale"][:, None, None], pull(lam)[0], lam)
+
+        # The rescaling to the next step (transposed only after the attempts that
+        # rescaled, a conditional: most did not), then the outputs read before it.
+        def rescaled(lam):
+            _, pull = jax.vjp(
+                lambda d: change(d, r["order_next"], r["factor"]), zeros_d
+            )
+            return jnp.where(r["rescale"][:, None, None], pull(lam)[0], lam)
+
+        lam = jax.lax.cond(jnp.any(r["rescale"]), rescaled, lambda a: a, lam)
         lam = jax.lax.cond(jnp.any(source == i), read_out, lambda a, b, c: a, lam, i, r)
         # The accepted step's update of the differences by its correction.
         acc = r["accepted"]
