@@ -17,6 +17,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import jaxprs_in_params
 
 from .._fitting.problem import check_float64, residual_vector
 from .._flatten import Restructure, complex_arrays, from_pieces, pieces
@@ -80,15 +81,11 @@ _LOOPS = frozenset({"while", "scan"})
 
 def _has_loops(jaxpr) -> bool:
     """Whether `jaxpr`, or a jaxpr inside one of its operations, has a loop."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in _LOOPS:
-            return True
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's, or a Jaxpr
-                if hasattr(inner, "eqns") and _has_loops(inner):
-                    return True
-    return False
+    return any(
+        eqn.primitive.name in _LOOPS
+        or any(_has_loops(sub) for sub in jaxprs_in_params(eqn.params))
+        for eqn in jaxpr.eqns
+    )
 
 
 def _by_arrays(re: Restructure) -> bool:
