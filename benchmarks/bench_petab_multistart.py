@@ -30,7 +30,9 @@ Variants:
 - `hier-dogbox`, `hier-trf`, `hier-fides`: the same on
   `problem.hierarchical().residuals` (the 3 σ in closed form, 6 outer parameters).
 - any of these with `+rodas5p` (e.g. `fides+rodas5p`): the problem solved with
-  `solver=sciflat.Rodas5P()` instead of the default (`sciflat.BDF()`).
+  `solver=sciflat.Rodas5P()` instead of the default (`sciflat.BDF()`); `trf` or
+  `dogbox` with `+lsmr` (before `+rodas5p`): SciPy's `tr_solver="lsmr"`, the
+  subproblem pyPESTO's `ls_trf` asks for (SciPy's default is `"exact"`).
 - `pypesto-fides`, `pypesto-trf`: pyPESTO's PEtab importer with AMICI (its defaults),
   Fides (its defaults) or SciPy's `ls_trf`; a benchmark-only dependency.
 
@@ -72,6 +74,7 @@ def _sciflat(variant: str, limit: float, name: str):
     import sciflat
 
     variant, rodas = variant.removesuffix("+rodas5p"), variant.endswith("+rodas5p")
+    variant, lsmr = variant.removesuffix("+lsmr"), variant.endswith("+lsmr")
     problem = _problem(name, sciflat.Rodas5P() if rodas else None)
     if variant in ("recipe", "trf", "fides"):
         target, method = problem, "dogbox" if variant == "recipe" else variant
@@ -98,6 +101,8 @@ def _sciflat(variant: str, limit: float, name: str):
             if method == "fides"
             else dict(max_nfev=500, ftol=1e-8, xtol=1e-8, gtol=1e-8)
         )
+        if lsmr:  # the trust region's step as pyPESTO asks SciPy for it
+            options.update(tr_solver="lsmr")
         result = sciflat.least_squares(
             target.residuals,
             model,
