@@ -927,7 +927,8 @@ def test_rate_laws_are_the_symbolic_right_hand_side():
     # own evaluation of the substituted expressions, at random positive points; `N`
     # applied as padded rows and as sums over its nonzeros (Laske's default: one
     # species is in 22 of the 52 reactions), by a scatter (a batch of conditions)
-    # or by short padded rows (one condition).
+    # or by short padded rows (one condition); and a batch of conditions at once
+    # (`batched`: the scatter with the conditions last), with its derivative.
     import sympy
 
     from sciflat._petab.formulas import RateLaws
@@ -953,7 +954,15 @@ def test_rate_laws_are_the_symbolic_right_hand_side():
         ways = [(rhs(t, x, k), rhs.jacobian(t, x, k)) for rhs in (auto, padded, alone)]
         return ways, jac
 
+    @jax.jit
+    def batch(t, x, k, dx, dk):
+        return [
+            jax.jvp(rhs.batched, (t, x, k), (jnp.zeros_like(t), dx, dk))
+            for rhs in (auto, padded, alone)
+        ]
+
     rng = np.random.default_rng(0)
+    points, wants, jacs = [], [], []
     for _ in range(3):
         t, xv, kv = 1.5, rng.uniform(0.1, 1e3, len(x)), rng.uniform(0.1, 10, len(k))
         want = np.asarray(scalar(t, xv, kv), np.float64)
@@ -966,6 +975,23 @@ def test_rate_laws_are_the_symbolic_right_hand_side():
             np.testing.assert_allclose(
                 got_j, want_j, rtol=1e-12, atol=1e-12 * abs(want_j).max()
             )
+        points.append((t, xv, kv))
+        wants.append(want)
+        jacs.append(np.asarray(want_j))
+
+    # The three points as one batch, with a tangent in the states and constants.
+    t, xv, kv = (jnp.asarray(np.stack(a)) for a in zip(*points, strict=True))
+    dx, dk = rng.normal(size=xv.shape), rng.normal(size=kv.shape)
+    want_dk = jax.vmap(
+        lambda t, x, k, d: jax.jvp(lambda k: auto.evaluate(t, x, k), (k,), (d,))[1]
+    )(t, xv, kv, dk)
+    want_t = np.einsum("cij,cj->ci", np.stack(jacs), dx) + want_dk
+    want = np.stack(wants)
+    for got, got_t in batch(t, xv, kv, jnp.asarray(dx), jnp.asarray(dk)):
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12 * abs(want).max())
+        np.testing.assert_allclose(
+            got_t, want_t, rtol=1e-10, atol=1e-12 * abs(want_t).max()
+        )
 
 
 def test_a_formulas_repeated_subexpressions_are_computed_once():

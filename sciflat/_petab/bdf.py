@@ -365,7 +365,9 @@ def bdf_solve(
     rows = jnp.arange(8)
     sg = jax.lax.stop_gradient
 
-    f_b = jax.vmap(rhs)
+    # A right-hand side that evaluates a batch of conditions itself (`RateLaws`:
+    # `N @ v` summed with the conditions last) does; any other is vmapped.
+    f_b = getattr(rhs, "batched", None) or jax.vmap(rhs)
 
     def jac_b(t, y, k):
         return jax.vmap(jacobian)(sg(t), sg(y), sg(k))
