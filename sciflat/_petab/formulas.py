@@ -367,7 +367,7 @@ class RateLaws:
         scatter with the conditions last, each nonzero moving the `C` conditions'
         terms at once, where `jax.vmap` scatters them one condition at a time
         (SalazarCavazos et al. 2020's 2,016 nonzeros, four conditions, alone in a
-        loop: 5.4-7.6 µs against 9.3-9.9), and each nonzero's rate is gathered
+        loop: 5.4-7.7 µs against 9.3-9.9), and each nonzero's rate is gathered
         from the templates' outputs directly (one gather less). Its derivatives
         are those of `jax.vmap(self)`."""
         if self.analytic and self.sparse_rates and not self._gathers:
