@@ -481,6 +481,53 @@ def test_a_small_models_record_goes_through_a_ring_of_the_same_rows(x64, monkeyp
     np.testing.assert_array_equal(ys, rows_ys)
 
 
+def _decays(n):
+    """A linear chain of `n` species, each decaying into the next at rates spread
+    over four decades (stiff), and its exact solution `expm(A t) y0`."""
+    rates = np.logspace(-1, 3, n)
+    a = np.diag(-rates) + np.diag(rates[:-1], -1)
+    a_j = jnp.asarray(a)
+
+    def f(t, y, k):
+        return a_j @ y
+
+    y0 = np.zeros(n)
+    y0[0] = 1.0
+    return f, jax.jacfwd(f, argnums=1), a, y0
+
+
+@pytest.mark.slow  # compiles two recorded solves: seconds
+def test_a_large_models_step_is_kept_unless_it_can_grow_half_again(x64):
+    # From 20 species on (`_KEEP_STEP_FROM_STATES`) an accepted step's size is kept
+    # unless the estimates would move it by at least 1.5 times (CVODES's rule): each
+    # move costs an inversion of the Newton matrix. Below, it follows the estimates
+    # (SciPy's rule), moves of less than half again among them. Both solve the
+    # chain as its matrix exponential does.
+    from scipy.linalg import expm
+
+    from sciflat._petab import bdf
+
+    ts = np.array([0.0, 0.5, 2.0, 10.0, 40.0])
+    factors = {}
+    for n in (bdf._KEEP_STEP_FROM_STATES - 1, bdf._KEEP_STEP_FROM_STATES):
+        f, jac, a, y0 = _decays(n)
+        ys, ok, kept = jax.jit(
+            lambda k, y0, f=f, jac=jac: bdf_solve(
+                f, jac, k, y0, ts, 1e-8, 1e-12, 100_000, record=True
+            )
+        )(jnp.zeros((1, 0)), jnp.asarray(y0)[None])
+        assert bool(ok[0])
+        exact = np.stack([expm(a * t) @ y0 for t in ts])
+        np.testing.assert_allclose(ys[0], exact, rtol=1e-5, atol=1e-9)
+        rows = bdf._record_rows(kept["rows"][: int(kept["attempts"])], n)
+        # The moves after accepted steps, but the last few (cut to end at a time).
+        moved = rows["accepted"][:, 0] & rows["rescale"][:, 0]
+        factors[n] = np.asarray(rows["factor"][:, 0])[np.asarray(moved)][:-3]
+    small, large = factors.values()
+    assert len(large) > 5 and np.all(large >= bdf._KEEP_STEP_BELOW)
+    assert np.any((small > 1) & (small < bdf._KEEP_STEP_BELOW))
+
+
 def test_bdf_options_are_checked():
     assert sciflat.BDF() == sciflat.BDF(max_order=5)
     assert hash(sciflat.BDF(3)) == hash(sciflat.BDF(3))
