@@ -15,7 +15,7 @@ more).
 
 **Against AMICI** (`--amici`; needs `amici` installed, a reference tool for benchmarks,
 never a dependency of sciflat: `apt-get install swig libopenblas-dev
-libhdf5-serial-dev`, then `pip install amici`): every problem folder (`NAME/NAME.yaml`
+libhdf5-serial-dev`, then `pip install amici threadpoolctl`): every problem folder (`NAME/NAME.yaml`
 or `NAME/problem.yaml`) under `--dir` (default `../shared/data/petab`, beside the
 repository) and `--extra` (or `$SCIFLAT_PETAB_EXTRA`, folders separated by `:`). Each
 problem runs in a child process of its own, with a `--timeout`, so a problem that
@@ -219,8 +219,8 @@ def _one_thread_but_jax() -> list[str]:
     thread, all but SciPy's OpenBLAS (where JAX's LAPACK calls run, left as a user
     has it): AMICI's own OpenBLAS and OpenMP, and NumPy's OpenBLAS, which AMICI's
     Python side calls. Their idle workers spin after a call and took a core from
-    the next call in the process (Laske et al. 2019: sciflat's llh 20-25 ms right
-    after AMICI's gradient, 14-19 ms with them held, 13.5 ms alone). The names
+    the next call in the process (Laske et al. 2019: sciflat's llh 20-25 ms in the
+    benchmark's rounds, 14-19 ms with them held, 13.5 ms alone). The names
     of the libraries held; none where `threadpoolctl` is not installed."""
     try:
         from threadpoolctl import ThreadpoolController
@@ -375,12 +375,23 @@ def one_problem(
 
 
 def _time_calls(calls: dict[str, Any], repeats: int, seconds: float) -> None:
-    """Per call, interleaved: `repeats` rounds or `seconds`, at least 3 rounds."""
+    """Per call, interleaved: `repeats` rounds or `seconds`, at least 3 rounds, each
+    round's calls in an order of its own (shuffled, seeded), so that no call always
+    comes right after the same other: on these 2 cores a call right after a long one
+    on the main thread (AMICI's gradient, 0.2-0.7 s) ran up to a half slower
+    (sciflat's llh of Laske et al. 2019: 17.7-24.4 ms after 250 ms of Python busy
+    on the main thread, 14.5-15.9 ms back to back, 15.6-16.2 after 250 ms asleep),
+    and in one fixed order sciflat's llh always followed AMICI's gradient."""
+    import numpy as np
+
     times: dict[str, list[float]] = {k: [] for k in calls}
     cpp: dict[str, list[float]] = {k: [] for k in calls if k.startswith("amici")}
+    names = list(calls)
+    rng = np.random.default_rng(0)
     start = time.perf_counter()
     for r in range(repeats):
-        for k, fn in calls.items():
+        for k in rng.permutation(names):
+            fn = calls[k]
             t = time.perf_counter()
             out = fn()
             times[k].append(time.perf_counter() - t)
