@@ -54,8 +54,8 @@ _MAX_REJECTED = 30
 # fixed-step bounds, its η in (0, 1.5)): each move of the step past 30 % costs a
 # new inversion of the Newton matrix, whose n³ weighs more than a step's n² from
 # about 20 species (SalazarCavazos et al. 2020, 75 species: 121 inversions an llh
-# against 139, 13 % fewer Newton iterations, 11 % more steps; 0.91 of the time).
-# Below, the step follows the estimates (SciPy's choice): kept this way, Crauste
+# against 139, 17 % fewer Newton iterations, 11 % more steps; 0.87-0.95 of the
+# time). Below, the step follows the estimates (SciPy's choice): kept this way, Crauste
 # et al. 2017's llh at the default tolerances was 1.1e-6 off its converged value,
 # against 4e-7.
 _KEEP_STEP_FROM_STATES = 20
