@@ -483,7 +483,8 @@ def test_a_small_models_record_goes_through_a_ring_of_the_same_rows(x64, monkeyp
 
 def _decays(n):
     """A linear chain of `n` species, each decaying into the next at rates spread
-    over four decades (stiff), and its exact solution `expm(A t) y0`."""
+    over four decades (stiff): its vector field, Jacobian, matrix `A` and initial
+    state (the exact solution is `expm(A t) y0`)."""
     rates = np.logspace(-1, 3, n)
     a = np.diag(-rates) + np.diag(rates[:-1], -1)
     a_j = jnp.asarray(a)
