@@ -448,8 +448,11 @@ def bdf_solve(
             failed=jnp.zeros((n_cond,), bool),
             rejected=jnp.zeros((n_cond,), jnp.int32),
             attempts=jnp.zeros((), jnp.int32),
-            stats=jnp.zeros((n_cond, 5), jnp.int32),
         )
+        # The statistics only where asked for: each array of a loop's carry is a
+        # kernel of its own an attempt, and another user of `accepted`.
+        if with_stats:
+            rest["stats"] = jnp.zeros((n_cond, 5), jnp.int32)
         return (d, ys), rest
 
     def _newton(
@@ -789,8 +792,9 @@ def bdf_solve(
             failed=failed,
             rejected=rejected,
             attempts=s["attempts"] + 1,
-            stats=s["stats"]
-            + jnp.stack(
+        )
+        if with_stats:
+            rest["stats"] = s["stats"] + jnp.stack(
                 [
                     accepted,
                     live & ~accepted,
@@ -799,8 +803,7 @@ def bdf_solve(
                     live * iterations,
                 ],
                 axis=1,
-            ).astype(jnp.int32),
-        )
+            ).astype(jnp.int32)
         made = dict(
             accepted=accepted, rescale=rescale, order_next=order_next, factor=factor
         )
