@@ -1130,21 +1130,30 @@ def bdf_adjoint(
         x = jax.lax.linalg.triangular_solve(lu, x, left_side=True, lower=False)
         return x[..., 0]
 
-    def back(i, r, factors, lam):
-        """Attempt `i` (its record `r`, the factors of its transposed Newton
-        matrix) run backwards: the differences' cotangent before it, and the
+    def back(i, row, factors, lam):
+        """Attempt `i` (its record's row `row`, the factors of its transposed
+        Newton matrix) run backwards: the differences' cotangent before it, and the
         cotangent of its corrector's `c f(t, y, k)` (for `constants`')."""
+        r = _record_rows(row, n)
 
         # The rescaling to the next step (transposed only after the attempts that
         # rescaled, a conditional: most did not), then the outputs read before it.
-        def rescaled(lam):
+        # The conditionals take the whole row, split inside them: each number
+        # given apart is a kernel of its own, ready together with the others.
+        def rescaled(lam, row):
+            r = _record_rows(row, n)
             _, pull = jax.vjp(
                 lambda d: change(d, r["order_next"], r["factor"]), zeros_d
             )
             return jnp.where(r["rescale"][:, None, None], pull(lam)[0], lam)
 
-        lam = jax.lax.cond(jnp.any(r["rescale"]), rescaled, lambda a: a, lam)
-        lam = jax.lax.cond(jnp.any(source == i), read_out, lambda a, b, c: a, lam, i, r)
+        def read_row(lam, i, row):
+            return read_out(lam, i, _record_rows(row, n))
+
+        lam = jax.lax.cond(jnp.any(r["rescale"]), rescaled, lambda a, b: a, lam, row)
+        lam = jax.lax.cond(
+            jnp.any(source == i), read_row, lambda a, b, c: a, lam, i, row
+        )
         # The accepted step's update of the differences by its correction.
         acc = r["accepted"]
         _, pull = jax.vjp(
@@ -1187,8 +1196,8 @@ def bdf_adjoint(
     def block(carry):
         end, lam, k_bar, book, base = carry
         start = jnp.maximum(end - size + 1, base)
-        part = jax.lax.dynamic_slice_in_dim(book, start - base, size)
-        part = _record_rows(part, n)
+        rows_ = jax.lax.dynamic_slice_in_dim(book, start - base, size)
+        part = _record_rows(rows_, n)
         # Rows past `end` (the block clipped at the segment's first attempt) and
         # those of rejected attempts are masked: their records may be anything.
         mine = part["accepted"] & (jnp.arange(size) <= end - start)[:, None]
@@ -1200,8 +1209,10 @@ def bdf_adjoint(
 
         def one(c):
             j, lam, bars = c
-            r = {key: value[j] for key, value in part.items()}
-            lam, bar = back(start + j, r, (lu[j], perm[j]), lam)
+            # The attempt's row read once (one kernel, where a read of each of
+            # its numbers was one each, ready together: XLA:CPU hands more than
+            # 8 ready kernels to its pool).
+            lam, bar = back(start + j, rows_[j], (lu[j], perm[j]), lam)
             return j - 1, lam, bars.at[j].set(bar)
 
         bars = jnp.zeros((size, n_cond, n), dtype)
