@@ -252,6 +252,15 @@ def _inverse(w: jax.Array) -> jax.Array:
     return a[:, :, n:]
 
 
+def _pick(table: jax.Array, order: jax.Array) -> jax.Array:
+    """`table[order]` for a small table, as selects that XLA fuses into their
+    users (a gather is a kernel of its own)."""
+    out = jnp.full(order.shape, table[0], table.dtype)
+    for j in range(1, table.shape[0]):
+        out = jnp.where(order == j, table[j], out)
+    return out
+
+
 def _coefficients(dtype: Any) -> tuple[Any, Any, Any]:
     kappa = np.array([0, -0.1850, -1 / 9, -0.0823, -0.0415, 0])
     gamma = np.hstack((0, np.cumsum(1 / np.arange(1, 6))))
@@ -603,7 +612,7 @@ def bdf_solve(
         below = rows[None, :] <= order[:, None]  # (C, 8)
         y_pred = jnp.sum(jnp.where(below[:, :, None], dd, 0), axis=1)
         g = jnp.where(below[:, 1:6] & (rows[None, 1:6] >= 1), gamma[None, 1:6], 0)
-        a_o = alpha[order]
+        a_o = _pick(alpha, order)
         psi = jnp.sum(g[:, :, None] * dd[:, 1:6], axis=1) / a_o[:, None]
         c = hh / a_o
         scale = atol + rtol * jnp.abs(y_pred)
@@ -688,7 +697,7 @@ def bdf_solve(
         halve = newton_failed & tr["jac_current"]
         safety = 0.9 * (2 * _NEWTON_MAXITER + 1) / (2 * _NEWTON_MAXITER + n_iter)
         scale_new = atol + rtol * jnp.abs(y_new)
-        error_norm = sg(norm(error_const[order][:, None] * corr / scale_new))
+        error_norm = sg(norm(_pick(error_const, order)[:, None] * corr / scale_new))
         if extra is not None:
             error_norm = jnp.maximum(error_norm, extra[1])
         error_norm = jnp.where(jnp.isfinite(error_norm), error_norm, jnp.inf)
@@ -891,7 +900,7 @@ def bdf_solve(
             made = dict(
                 made,
                 order=s["order"],
-                c=s["h"] / alpha[s["order"]],
+                c=s["h"] / _pick(alpha, s["order"]),
                 t_new=tr["t_new"],
                 h=s["h"],
             )
@@ -1002,7 +1011,7 @@ def bdf_solve(
             order below, the order and above, as the state's (`(C,)` each)."""
             order = s["order"]
             scale = atol + rtol * jnp.abs(y_new_t)
-            now = norm(error_const[order][None, :, None] * corr_t / scale)
+            now = norm(_pick(error_const, order)[None, :, None] * corr_t / scale)
             new_t = jax.vmap(_accepted, in_axes=(0, 0, None))(dd_t, corr_t, order)
             m, p = jax.vmap(
                 lambda d: _around(d, order, error_const, atol, rtol, max_order)
