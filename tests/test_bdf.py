@@ -499,7 +499,7 @@ def _decays(n):
 
 @pytest.mark.slow  # compiles two recorded solves: seconds
 def test_a_large_models_step_is_kept_unless_it_can_grow_half_again(x64):
-    # From 20 species on (`_KEEP_STEP_FROM_STATES`) an accepted step's size is kept
+    # From 20 species on (`_LARGE_FROM_STATES`) an accepted step's size is kept
     # unless the estimates would move it by at least 1.5 times (CVODES's rule): each
     # move costs an inversion of the Newton matrix. Below, it follows the estimates
     # (SciPy's rule), moves of less than half again among them. Both solve the
@@ -510,7 +510,7 @@ def test_a_large_models_step_is_kept_unless_it_can_grow_half_again(x64):
 
     ts = np.array([0.0, 0.5, 2.0, 10.0, 40.0])
     factors = {}
-    for n in (bdf._KEEP_STEP_FROM_STATES - 1, bdf._KEEP_STEP_FROM_STATES):
+    for n in (bdf._LARGE_FROM_STATES - 1, bdf._LARGE_FROM_STATES):
         f, jac, a, y0 = _decays(n)
         ys, ok, kept = jax.jit(
             lambda k, y0, f=f, jac=jac: bdf_solve(
@@ -527,6 +527,57 @@ def test_a_large_models_step_is_kept_unless_it_can_grow_half_again(x64):
     small, large = factors.values()
     assert len(large) > 5 and np.all(large >= bdf._KEEP_STEP_BELOW)
     assert np.any((small > 1) & (small < bdf._KEEP_STEP_BELOW))
+
+
+def _squares(n):
+    """A chain of `n` species, each lost into the next at the square of its
+    concentration, at rates spread over five decades: stiff, its Jacobian (`2 r y`
+    on the diagonal) moving as the species decay. Its vector field, Jacobian and
+    initial state."""
+    rates = jnp.asarray(np.logspace(-1, 4, n))
+
+    def f(t, y, k):
+        flow = rates * y**2
+        return jnp.concatenate([jnp.zeros(1), flow[:-1]]) - flow
+
+    y0 = np.zeros(n)
+    y0[0] = 1.0
+    return f, jax.jacfwd(f, argnums=1), y0
+
+
+@pytest.mark.slow  # compiles six solves: seconds
+def test_a_large_model_renews_its_jacobian_after_a_slow_newton_iteration(
+    x64, monkeypatch
+):
+    # From 20 species on (`_LARGE_FROM_STATES`) a step whose Newton iteration took
+    # `_SLOW_NEWTON` iterations or more with an old Jacobian has a fresh one at the
+    # next attempt (CVODES renews a Jacobian grown old): more Jacobians, fewer
+    # iterations. Below, only a failed iteration renews it: the rule off changes
+    # nothing there. Each solve agrees with a tight one.
+    from sciflat._petab import bdf
+
+    ts = np.array([0.0, 0.5, 2.0, 10.0, 100.0, 1000.0])
+    stats = {}
+    for n in (bdf._LARGE_FROM_STATES - 1, bdf._LARGE_FROM_STATES):
+        f, jac, y0 = _squares(n)
+        k, y = jnp.zeros((1, 0)), jnp.asarray(y0)[None]
+        ref, _ = bdf_solve(f, jac, k, y, ts, 1e-12, 1e-16, 100_000)
+        for rule in (bdf._SLOW_NEWTON, None):
+            monkeypatch.setattr(bdf, "_SLOW_NEWTON", rule or 10**6)
+            ys, ok, st = jax.jit(
+                lambda k, y, f=f, jac=jac: bdf_solve(
+                    f, jac, k, y, ts, 1e-8, 1e-12, 100_000, with_stats=True
+                )
+            )(k, y)
+            assert bool(ok[0])
+            np.testing.assert_allclose(ys, ref, rtol=1e-5, atol=1e-9)
+            stats[n, rule is not None] = np.asarray(st[0])
+        monkeypatch.undo()
+    small, large = bdf._LARGE_FROM_STATES - 1, bdf._LARGE_FROM_STATES
+    np.testing.assert_array_equal(stats[small, True], stats[small, False])
+    jacobians, iterations = 2, 4  # (the columns of the statistics)
+    assert stats[large, True][jacobians] > 2 * stats[large, False][jacobians]
+    assert stats[large, True][iterations] < 0.9 * stats[large, False][iterations]
 
 
 def test_bdf_options_are_checked():
