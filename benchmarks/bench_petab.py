@@ -33,7 +33,10 @@ nominal parameters:
 - per call: sciflat's jitted `nll` and `jax.grad(nll)`; AMICI's `simulate_petab` with
   the ExpData and parameter mapping made once (what pyPESTO's objective calls), at its
   defaults (rtol 1e-8, atol 1e-16), without and with its sensitivities; both
-  single-threaded on the host. Medians of interleaved rounds, and the ratio. Where
+  single-threaded on the host. Medians of interleaved rounds, and the ratio: each
+  round runs every call `--block` times in a row (3), in a shuffled order, and
+  times all but the first of each block (a call right after the other tool's runs
+  slower, both ways; `--block 1`: every call timed as it comes). Where
   AMICI's defaults fail (their 10,000 steps too few: its llh nan), AMICI is timed
   with `max_steps` 10**6, and the table says so. With `--processes N`, each problem
   is measured in N fresh processes, one after the other (a process's times can move
@@ -68,6 +71,7 @@ _HERE = pathlib.Path(__file__).resolve()
 _SHARED = _HERE.parents[2] / "shared" / "data" / "petab"
 _MODELS = pathlib.Path.home() / ".cache" / "sciflat-bench" / "amici-models"
 _TIGHT = (1e-12, 1e-14)  # AMICI's converged reference: rtol, atol
+_BLOCK = 3  # each call this many times in a row in a round, the first not timed
 
 
 # -- Boehm alone (the default) --------------------------------------------------------
@@ -243,6 +247,7 @@ def one_problem(
     grad_tol: tuple[float, float] | None = None,
     values_only: bool = False,
     method: str = "forward",
+    block: int = _BLOCK,
 ) -> None:
     """Everything for one problem, in this (fresh) process; results as `_emit` lines.
     `values_only`: the llh and its time, no sensitivities on either side; `method`:
@@ -360,7 +365,7 @@ def one_problem(
         "amici_llh": lambda: amici_call(plain),
     }
     if values_only:
-        _time_calls(calls, repeats, seconds)
+        _time_calls(calls, repeats, seconds, block)
         return
     t = time.perf_counter()
     grad = np.asarray(jax.block_until_ready(grad_fn(p)))
@@ -371,17 +376,21 @@ def one_problem(
 
     calls["sciflat_grad"] = lambda: jax.block_until_ready(grad_fn(p))
     calls["amici_grad"] = lambda: amici_call(sens)
-    _time_calls(calls, repeats, seconds)
+    _time_calls(calls, repeats, seconds, block)
 
 
-def _time_calls(calls: dict[str, Any], repeats: int, seconds: float) -> None:
-    """Per call, interleaved: `repeats` rounds or `seconds`, at least 3 rounds, each
-    round's calls in an order of its own (shuffled, seeded), so that no call always
-    comes right after the same other: on these 2 cores a call right after a long one
-    on the main thread (AMICI's gradient, 0.2-0.7 s) ran up to a half slower
-    (sciflat's llh of Laske et al. 2019: 17.7-24.4 ms after 250 ms of Python busy
-    on the main thread, 14.5-15.9 ms back to back, 15.6-16.2 after 250 ms asleep),
-    and in one fixed order sciflat's llh always followed AMICI's gradient."""
+def _time_calls(
+    calls: dict[str, Any], repeats: int, seconds: float, block: int = _BLOCK
+) -> None:
+    """Per call, interleaved in blocks: each round runs every call `block` times in
+    a row, the calls in an order of their own (shuffled, seeded), for `repeats`
+    rounds or `seconds`, at least 3 rounds. The first call of a block is not
+    timed: on these 2 cores a call right after another tool's ran slower, both
+    ways (in one process, Laske et al. 2019, medians: sciflat's llh 21.5 ms after
+    AMICI's gradient, 15.2 after AMICI's llh, 13.9 after its own; AMICI's llh 16.0
+    after sciflat's llh, 12.5 after its own), and a user's fit calls one tool
+    over and over, not the two in turn. `block=1` times every call as it comes
+    (each round's calls shuffled: the interference averaged, not removed)."""
     import numpy as np
 
     times: dict[str, list[float]] = {k: [] for k in calls}
@@ -392,15 +401,20 @@ def _time_calls(calls: dict[str, Any], repeats: int, seconds: float) -> None:
     for r in range(repeats):
         for k in rng.permutation(names):
             fn = calls[k]
-            t = time.perf_counter()
-            out = fn()
-            times[k].append(time.perf_counter() - t)
-            if k in cpp:  # AMICI's own clock: the C++ simulation alone, in ms
-                cpp[k].append(sum(d["cpu_time"] for d in out["rdatas"]))
+            for i in range(block):
+                t = time.perf_counter()
+                out = fn()
+                elapsed = time.perf_counter() - t
+                if block > 1 and i == 0:
+                    continue
+                times[k].append(elapsed)
+                if k in cpp:  # AMICI's own clock: the C++ simulation alone, in ms
+                    cpp[k].append(sum(d["cpu_time"] for d in out["rdatas"]))
         if r >= 2 and time.perf_counter() - start > seconds:
             break
     _emit(
         rounds=r + 1,
+        block=block,
         **{f"{k}_ms": 1e3 * statistics.median(v) for k, v in times.items()},
         **{f"{k}_cpp_ms": statistics.median(v) for k, v in cpp.items()},
     )
@@ -584,6 +598,8 @@ def against_amici(args: argparse.Namespace) -> None:
             str(args.repeats),
             "--seconds",
             str(args.seconds),
+            "--block",
+            str(args.block),
             *(["--amici-only"] if args.amici_only else []),
             *(["--values-only"] if args.values_only else []),
             *(["--grad-tol", *map(str, args.grad_tol)] if args.grad_tol else []),
@@ -615,9 +631,15 @@ def _table(results: dict[str, dict[str, Any]], version: str, repeats: int) -> No
                 f"\tgradient vs central differences: {fd}\t{r['status']}"
             )
         return
+    blocks = sorted({r["block"] for r in results.values() if "block" in r})
+    each = (
+        f", each call {'/'.join(map(str, blocks))} times in a row, the first not timed"
+        if blocks
+        else ""
+    )
     print(
         f"\nAMICI {version}; per call: medians of up to {repeats} "
-        "interleaved rounds at the nominal parameters\n"
+        f"interleaved rounds at the nominal parameters{each}\n"
     )
     print(
         "| problem | llh: rel. error (AMICI's) | gradient: rel. error (AMICI's) | "
@@ -692,6 +714,13 @@ if __name__ == "__main__":
         help="AMICI's gradient (the reference and the timed one): forward "
         "sensitivities (default) or its adjoint (hundreds of parameters)",
     )
+    parser.add_argument(
+        "--block",
+        type=int,
+        default=_BLOCK,
+        help="--amici: each call this many times in a row in a round, the first not "
+        "timed (1: every call timed, the calls of a round shuffled)",
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--build-one", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -707,6 +736,7 @@ if __name__ == "__main__":
             None if args.grad_tol is None else tuple(args.grad_tol),
             args.values_only,
             args.amici_sensitivities,
+            args.block,
         )
     elif args.from_json:
         _table(json.loads(pathlib.Path(args.from_json).read_text()), "", args.repeats)
