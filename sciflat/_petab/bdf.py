@@ -1226,8 +1226,8 @@ def bdf_adjoint(
     def block(carry):
         end, lam, k_bar, book, base = carry
         start = jnp.maximum(end - size + 1, base)
-        rows_ = jax.lax.dynamic_slice_in_dim(book, start - base, size)
-        part = _record_rows(rows_, n)
+        block_rows = jax.lax.dynamic_slice_in_dim(book, start - base, size)
+        part = _record_rows(block_rows, n)
         # Rows past `end` (the block clipped at the segment's first attempt) and
         # those of rejected attempts are masked: their records may be anything.
         mine = part["accepted"] & (jnp.arange(size) <= end - start)[:, None]
@@ -1242,7 +1242,7 @@ def bdf_adjoint(
             # The attempt's row read once (one kernel, where a read of each of
             # its numbers was one each, ready together: XLA:CPU hands more than
             # 8 ready kernels to its pool).
-            lam, bar = back(start + j, rows_[j], (lu[j], perm[j]), lam)
+            lam, bar = back(start + j, block_rows[j], (lu[j], perm[j]), lam)
             return j - 1, lam, bars.at[j].set(bar)
 
         bars = jnp.zeros((size, n_cond, n), dtype)
