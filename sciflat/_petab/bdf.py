@@ -1201,7 +1201,7 @@ def bdf_adjoint(
         below = rows[None, :] <= order[:, None]  # (C, 8)
         g = (
             jnp.concatenate([gamma, jnp.zeros(2, dtype)])[None, :]
-            / alpha[order][:, None]
+            / _pick(alpha, order)[:, None]
         )
         g = jnp.where(below & (rows[None, :] >= 1) & (rows[None, :] <= 5), g, 0)
         lam = lam + jnp.where(below[:, :, None], lam_pred[:, None, :], 0)
