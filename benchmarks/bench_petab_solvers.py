@@ -176,6 +176,8 @@ def main(
 ) -> None:
     for name in problems:
         yaml = folder / name / f"{name}.yaml"
+        if not yaml.exists():  # NAME/problem.yaml (Bertozzi_PNAS2020)
+            yaml = folder / name / "problem.yaml"
         ref = sciflat.petab_problem(yaml, rtol=1e-12, atol=1e-14)
         ref_llh = float(ref.llh(ref.nominal))
         rows, fns = {}, {}
