@@ -1,0 +1,180 @@
+"""Which PEtab problems are stiff at their nominal parameters: an explicit method's
+steps against `BDF`'s, with Hairer's stiffness test.
+
+For each problem, at the nominal parameters, each simulation solved by Diffrax's
+`Tsit5` (the problem's tolerances, steps that end at the measurement times) with the
+stiffness test of Hairer's DOPRI5 (Hairer & Wanner, *Solving ODEs II*, §IV.2): `h ρ`,
+with `ρ = |f(t + h, y₁) - f(t + h, y₆)| / |y₁ - y₆|` from the step's last two stages
+(both at `t + h`), an estimate of the largest eigenvalue along the step; a step is
+stiff where `h ρ > 3.25` (the stability boundary on the negative real axis), and the
+solve stops at `--limit` (15) stiff steps with no run of 6 others between. Printed:
+the species, the simulations, whether every explicit solve finished (no: the test
+fired, or the solve failed), its steps (accepted and rejected, summed), `BDF`'s
+attempts, their ratio, and `nll`'s time with each (`BDF` alone, and with `Tsit5`,
+which is `inf` where a solve stops), interleaved in one process, medians.
+
+    python benchmarks/bench_petab_stiffness.py            # those below 20 species
+    python benchmarks/bench_petab_stiffness.py --problems Borghans_BiophysChem1997
+"""
+
+import argparse
+import pathlib
+import statistics
+import time
+from typing import Any
+
+import diffrax
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import sciflat
+from sciflat._petab.bdf import bdf_solve
+from sciflat._petab.objective import ReactionODE, RejectionLimit
+
+
+jax.config.update("jax_enable_x64", True)
+
+_SHARED = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "petab"
+# `Tsit5`'s `y₁ - y₆` as a combination of its stages `k_j = h f_j`: `b - a₆`.
+_T = diffrax.Tsit5.tableau
+_Y1_MINUS_Y6 = np.asarray(_T.b_sol) - np.pad(np.asarray(_T.a_lower[4]), (0, 2))
+
+
+class StiffnessTested(diffrax.Tsit5):
+    """`Tsit5` whose step fails once `limit` stiff steps came with no run of 6
+    others between (the solve then stops, as at `max_steps`)."""
+
+    limit: int = 15
+
+    def init(self, terms, t0, t1, y0, args):
+        zero = jnp.zeros((), jnp.int32)
+        return super().init(terms, t0, t1, y0, args), zero, zero
+
+    def step(self, terms, t0, t1, y0, args, solver_state, made_jump):
+        inner, stiff, calm = solver_state
+        y1, error, dense, inner, result = super().step(
+            terms, t0, t1, y0, args, inner, made_jump
+        )
+        k = dense["k"]
+        num = jnp.sum((k[6] - k[5]) ** 2)
+        den = jnp.sum(jnp.tensordot(jnp.asarray(_Y1_MINUS_Y6, k.dtype), k, 1) ** 2)
+        is_stiff = num > 3.25**2 * den
+        stiff = jnp.where(is_stiff, stiff + 1, jnp.where(calm >= 5, 0, stiff))
+        calm = jnp.where(is_stiff, 0, calm + 1)
+        stop = diffrax.RESULTS.max_steps_reached
+        result = diffrax.RESULTS.where(stiff >= self.limit, stop, result)
+        return y1, error, dense, (inner, stiff, calm), result
+
+
+def _explicit(objective: Any, limit: int, constants: Any, x0: Any) -> Any:
+    """One simulation by `StiffnessTested`: its solution at the measurement times,
+    whether it finished, its steps (accepted and rejected)."""
+    ts = objective.tables.union_times
+    ts_j = jnp.asarray(ts, x0.dtype)
+    sol = diffrax.diffeqsolve(
+        diffrax.ODETerm(ReactionODE(constants, objective.formulas.rhs)),
+        StiffnessTested(limit=limit),
+        t0=jnp.zeros((), x0.dtype),
+        t1=ts_j[-1],
+        dt0=None,
+        y0=x0,
+        saveat=diffrax.SaveAt(ts=ts_j),
+        stepsize_controller=RejectionLimit(
+            diffrax.ClipStepSizeController(
+                diffrax.PIDController(rtol=objective.rtol, atol=objective.atol),
+                step_ts=jnp.asarray(ts[ts > 0], x0.dtype),
+            )
+        ),
+        max_steps=objective._max_steps,
+        throw=False,
+    )
+    ok = sol.result == diffrax.RESULTS.successful
+    return sol.ys, ok, sol.stats["num_steps"]  # accepted and rejected
+
+
+def _bdf_attempts(objective: Any, constants: Any, x0: Any) -> int:
+    """`BDF`'s attempts (accepted and rejected), each simulation alone."""
+    rhs, ts = objective.formulas.rhs, objective.tables.union_times
+    need = np.asarray(objective._sims.need)
+    total = 0
+    for s in range(len(need)):
+        _, _, stats = bdf_solve(
+            rhs,
+            rhs.jacobian,
+            constants[s : s + 1],
+            x0[s : s + 1],
+            ts,
+            objective.rtol,
+            objective.atol,
+            objective._max_steps,
+            with_stats=True,
+            need=jnp.asarray(need[s : s + 1], jnp.int32),
+        )
+        total += int(stats[0, 0]) + int(stats[0, 1])
+    return total
+
+
+def main(problems: list[pathlib.Path], limit: int, repeats: int, every: bool) -> None:
+    print(
+        "| problem | species | simulations | `Tsit5` finished | `Tsit5` steps | "
+        "`BDF` attempts | ratio | `nll`, ms: `BDF` / `Tsit5` |"
+    )
+    print("|---|---:|---:|---|---:|---:|---:|---|")
+    for yaml in problems:
+        problem = sciflat.petab_problem(yaml)
+        objective = problem._objective
+        constants, x0 = objective.initial(objective.ext(problem.nominal))
+        if not every and x0.shape[1] >= 20:
+            continue
+        one = lambda k, x, objective=objective: _explicit(objective, limit, k, x)
+        _, ok, steps = jax.jit(jax.vmap(one))(constants, x0)
+        finished, steps = bool(np.all(ok)), int(np.sum(steps))
+        attempts = _bdf_attempts(objective, constants, x0)
+
+        # A problem of its own (its `nll` compiled apart), its simulations explicit.
+        explicit = sciflat.petab_problem(yaml)
+
+        def solve(ext, objective=explicit._objective, one=one):
+            ys, ok, _ = jax.vmap(one)(*objective.initial(ext))
+            return ys, jnp.all(ok)
+
+        explicit._objective.solve_simulations = solve
+        fns = {"bdf": jax.jit(problem.nll), "tsit5": jax.jit(explicit.nll)}
+        for fn in fns.values():
+            jax.block_until_ready(fn(problem.nominal))
+        times: dict[str, list[float]] = {k: [] for k in fns}
+        for r in range(repeats):
+            for k in np.random.default_rng(r).permutation(list(fns)):
+                t = time.perf_counter()
+                jax.block_until_ready(fns[k](problem.nominal))
+                times[k].append(time.perf_counter() - t)
+        ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+        print(
+            f"| {yaml.parent.name} | {x0.shape[1]} | {x0.shape[0]} | "
+            f"{'yes' if finished else 'no'} | {steps:,} | {attempts:,} | "
+            f"{steps / attempts:.2f} | {ms['bdf']:.2f} / {ms['tsit5']:.2f} |",
+            flush=True,
+        )
+
+
+def _yamls(folder: pathlib.Path, names: list[str]) -> list[pathlib.Path]:
+    found = {}
+    for sub in sorted(folder.iterdir()):
+        for yaml in (sub / f"{sub.name}.yaml", sub / "problem.yaml"):
+            if yaml.is_file():
+                found.setdefault(sub.name, yaml)
+    return [found[n] for n in names] if names else list(found.values())
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--problems", nargs="*", default=[], help="default: those below 20 species"
+    )
+    parser.add_argument("--dir", default=str(_SHARED), help="the problems' folder")
+    parser.add_argument("--limit", type=int, default=15, help="stiff steps to stop")
+    parser.add_argument("--repeats", type=int, default=11)
+    args = parser.parse_args()
+    yamls = _yamls(pathlib.Path(args.dir), args.problems)
+    main(yamls, args.limit, args.repeats, every=bool(args.problems))
