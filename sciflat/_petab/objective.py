@@ -36,6 +36,7 @@ except ImportError:  # pragma: no cover (the `petab` extra installs them)
 
 from .bdf import ADJOINT_TIGHTER, BDF, bdf_adjoint, bdf_solve
 from .controller import RejectionLimit
+from .explicit import StiffnessTested
 
 
 # From this many species on, `BDF` solves the conditions in turn (`nll`'s a few at a
@@ -436,10 +437,15 @@ class Objective:
             and float(tables.union_times[-1]) > 0  # else no steps to choose
         )
         controlled = stepping and solver.controls(len(self._dynamic))
+        # `BDF(explicit_first=True)`: the simulations tried by `StiffnessTested`.
+        self._explicit_first = stepping and solver.explicit_first
         self._sims = simulations(tables)
         solve = lambda linear: self.solve_simulations(self.ext_of(linear))
+        both = self._bdf_sensitivities
+        if self._explicit_first:
+            both = self._explicit_sensitivities
         sensitivities = forward_sensitivities(
-            solve, self._bdf_sensitivities if controlled else None, self._dynamic
+            solve, both if controlled else None, self._dynamic
         )
         # `nll`'s solve: in reverse mode the adjoint of the steps (`BDF.adjoint`),
         # at tighter tolerances where it stands in for the sensitivities' control.
@@ -556,7 +562,11 @@ class Objective:
             ys, ok = self.solve(ext, int(self._sims.first[0]), ts)
             return ys[None], ok
         constants, x0 = self.initial(ext)
-        if isinstance(self._solver, BDF):
+        if self._explicit_first:
+            ys, ok = self._explicit_all(constants, x0)
+            bdf = lambda: self._bdf(constants, x0, ts, self._sims.need)
+            ys, ok = jax.lax.cond(jnp.all(ok), lambda: (ys, ok), bdf)
+        elif isinstance(self._solver, BDF):
             ys, ok = self._bdf(constants, x0, ts, self._sims.need)
         else:
             ys, ok = jax.vmap(lambda k, x: self.integrate(k, x, ts))(constants, x0)
@@ -565,16 +575,43 @@ class Objective:
     def integrate(
         self, constants: Array, x0: Array, ts: npt.NDArray[np.float64]
     ) -> tuple[Array, Array]:
-        diffrax = self._diffrax
-        ts_j = jnp.asarray(ts, x0.dtype)
         if float(ts[-1]) == 0.0:
             return jnp.broadcast_to(x0, (len(ts), len(x0))), jnp.asarray(True)
         if isinstance(self._solver, BDF):
             ys, ok = self._bdf(constants[None], x0[None], ts)
             return ys[0], ok[0]
+        ys, ok, _ = self._diffrax_solve(
+            self._solver, constants, x0, ts, self._max_steps
+        )
+        return ys, ok
+
+    def _explicit_all(self, constants: Array, x0: Array) -> tuple[Array, Array]:
+        """The simulations `(S, k)`, `(S, n)` by `StiffnessTested` (`BDF`'s
+        `explicit_first`): `(S, T, n)` at the measurement times, and `(S,)` whether
+        each finished (not stopped by the stiffness test, not failed)."""
+        ts, steps = self.tables.union_times, self._solver.explicit_max_steps
+        one = lambda k, x: self._diffrax_solve(StiffnessTested(), k, x, ts, steps)[:2]
+        if len(x0) == 1:  # not vmapped: a vmapped step's conditionals are selects
+            ys, ok = one(constants[0], x0[0])
+            return ys[None], ok[None]
+        return jax.vmap(one)(constants, x0)
+
+    def _diffrax_solve(
+        self,
+        solver: Any,
+        constants: Array,
+        x0: Array,
+        ts: npt.NDArray[np.float64],
+        max_steps: int,
+    ) -> tuple[Array, Array, Array]:
+        """One condition by a Diffrax solver, at `ts` (its last time above 0): the
+        solution there, whether the solve succeeded, its steps (accepted and
+        rejected)."""
+        diffrax = self._diffrax
+        ts_j = jnp.asarray(ts, x0.dtype)
         sol = diffrax.diffeqsolve(
             diffrax.ODETerm(ReactionODE(constants, self.formulas.rhs)),
-            self._solver,
+            solver,
             t0=jnp.zeros((), x0.dtype),
             t1=ts_j[-1],
             dt0=None,
@@ -592,12 +629,12 @@ class Objective:
                 )
             ),
             adjoint=diffrax.ForwardMode(),
-            max_steps=self._max_steps,
+            max_steps=max_steps,
             throw=False,
         )
         ys = sol.ys
         assert ys is not None
-        return ys, sol.result == diffrax.RESULTS.successful
+        return ys, sol.result == diffrax.RESULTS.successful, sol.stats["num_steps"]
 
     def _in_turn(self, n_states: int, derivatives: bool = False) -> bool:
         """Whether `BDF` solves the conditions one after the other, a few at a
@@ -714,6 +751,24 @@ class Objective:
             dys = jnp.moveaxis(dys, 1, 0)
         jac = jnp.moveaxis(dys, 0, -1) / size  # (S, T, n, P)
         return ys, jnp.all(ok), columns(jac, index, len(linear))
+
+    def _explicit_sensitivities(self, linear: Array) -> tuple[Array, Array, Array]:
+        """`_bdf_sensitivities` tried first by `StiffnessTested` (`BDF`'s
+        `explicit_first`): the explicit solves' forward sensitivities, along their
+        steps, where they all finish; else `BDF`'s."""
+        index = self._dynamic
+
+        def ys_and_all(sub: Array) -> tuple[Array, tuple[Array, Array]]:
+            ext = self.ext_of(linear.at[index].set(sub))
+            ys, ok = self._explicit_all(*self.initial(ext))
+            return ys, (ys, ok)
+
+        sub_jac, (ys, ok) = jax.jacfwd(ys_and_all, has_aux=True)(linear[index])
+        jac = columns(sub_jac, index, len(linear))
+        explicit = lambda: (ys, jnp.all(ok), jac)
+        return jax.lax.cond(
+            jnp.all(ok), explicit, lambda: self._bdf_sensitivities(linear)
+        )
 
     def _with_adjoint(self, solve: Callable, tighter: float) -> Callable:
         """`solve(linear) -> (ys, ok)` whose reverse mode is the discrete adjoint of
