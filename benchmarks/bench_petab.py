@@ -248,10 +248,12 @@ def one_problem(
     values_only: bool = False,
     method: str = "forward",
     block: int = _BLOCK,
+    explicit_first: bool = False,
 ) -> None:
     """Everything for one problem, in this (fresh) process; results as `_emit` lines.
     `values_only`: the llh and its time, no sensitivities on either side; `method`:
-    AMICI's sensitivities, `"forward"` or `"adjoint"`."""
+    AMICI's sensitivities, `"forward"` or `"adjoint"`; `explicit_first`: sciflat's
+    solver `BDF(explicit_first=True)`, not its default."""
     import logging
 
     import amici  # noqa: F401  (imported before any clock starts, as JAX is)
@@ -337,9 +339,10 @@ def one_problem(
         return
 
     # sciflat: read, then the first calls (trace, compile, run).
+    solver = sciflat.BDF(explicit_first=explicit_first)
     t = time.perf_counter()
     try:
-        problem = sciflat.petab_problem(yaml)
+        problem = sciflat.petab_problem(yaml, solver=solver)
     except (ValueError, TypeError, NotImplementedError) as e:
         _emit(sciflat_error=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
         return
@@ -352,7 +355,9 @@ def one_problem(
     # The gradient at the tolerances recommended for gradients, if they differ.
     problem_g = problem
     if grad_tol is not None:
-        problem_g = sciflat.petab_problem(yaml, rtol=grad_tol[0], atol=grad_tol[1])
+        problem_g = sciflat.petab_problem(
+            yaml, rtol=grad_tol[0], atol=grad_tol[1], solver=solver
+        )
     grad_fn = jax.jit(jax.grad(lambda x: problem_g.nll(re(x))))
     t = time.perf_counter()
     nll = float(llh_fn(p))
@@ -602,6 +607,7 @@ def against_amici(args: argparse.Namespace) -> None:
             str(args.block),
             *(["--amici-only"] if args.amici_only else []),
             *(["--values-only"] if args.values_only else []),
+            *(["--explicit-first"] if args.explicit_first else []),
             *(["--grad-tol", *map(str, args.grad_tol)] if args.grad_tol else []),
             "--amici-sensitivities",
             args.amici_sensitivities,
@@ -721,6 +727,11 @@ if __name__ == "__main__":
         help="--amici: each call this many times in a row in a round, the first not "
         "timed (1: every call timed, the calls of a round shuffled)",
     )
+    parser.add_argument(
+        "--explicit-first",
+        action="store_true",
+        help="--amici: sciflat with BDF(explicit_first=True), not its default solver",
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--build-one", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -737,6 +748,7 @@ if __name__ == "__main__":
             args.values_only,
             args.amici_sensitivities,
             args.block,
+            args.explicit_first,
         )
     elif args.from_json:
         _table(json.loads(pathlib.Path(args.from_json).read_text()), "", args.repeats)

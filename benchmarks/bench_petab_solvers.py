@@ -30,6 +30,8 @@ converged value to 1e-11 on these problems). Variants:
 - `Kvaerno5, rtol 1e-6`: looser tolerances (atol 1e-8);
 - `BDF (default), rtol 1e-6`: the default solver at those tolerances;
 - `Tsit5`: explicit, for the problems that are not stiff;
+- `BDF, explicit first`: `BDF(explicit_first=True)`, each call's simulations tried
+  by `Tsit5` with a stiffness test first, by `BDF` where it stops;
 - `Kvaerno5, conditions in turn`: `Kvaerno5, StageChord` with the conditions solved
   one after the other (`jax.lax.map`) rather than in one `vmap` (where every
   condition takes as many steps as the slowest).
@@ -88,6 +90,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "BDF, conditions in turn": {"solver": sciflat.BDF(), "bdf_in_turn": True},
     "BDF, conditions as one batch": {"solver": sciflat.BDF(), "bdf_in_turn": False},
     "BDF, SciPy's step choice": {"solver": sciflat.BDF(), "bias": (1.0, 1.0, 1.0)},
+    "BDF, explicit first": {"solver": sciflat.BDF(explicit_first=True)},
     "Kvaerno4, Newton": {"solver": _newton(diffrax.Kvaerno4, 1e-8, 1e-10)},
     "Kvaerno3, Newton": {"solver": _newton(diffrax.Kvaerno3, 1e-8, 1e-10)},
     "Kvaerno5, chord": {"solver": diffrax.Kvaerno5()},

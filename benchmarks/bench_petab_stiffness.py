@@ -23,74 +23,27 @@ import statistics
 import time
 from typing import Any
 
-import diffrax
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import sciflat
 from sciflat._petab.bdf import bdf_solve
-from sciflat._petab.objective import ReactionODE, RejectionLimit
+from sciflat._petab.explicit import StiffnessTested
 
 
 jax.config.update("jax_enable_x64", True)
 
 _SHARED = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "petab"
-# `Tsit5`'s `y₁ - y₆` as a combination of its stages `k_j = h f_j`: `b - a₆`.
-_T = diffrax.Tsit5.tableau
-_Y1_MINUS_Y6 = np.asarray(_T.b_sol) - np.pad(np.asarray(_T.a_lower[4]), (0, 2))
-
-
-class StiffnessTested(diffrax.Tsit5):
-    """`Tsit5` whose step fails once `limit` stiff steps came with no run of 6
-    others between (the solve then stops, as at `max_steps`)."""
-
-    limit: int = 15
-
-    def init(self, terms, t0, t1, y0, args):
-        zero = jnp.zeros((), jnp.int32)
-        return super().init(terms, t0, t1, y0, args), zero, zero
-
-    def step(self, terms, t0, t1, y0, args, solver_state, made_jump):
-        inner, stiff, calm = solver_state
-        y1, error, dense, inner, result = super().step(
-            terms, t0, t1, y0, args, inner, made_jump
-        )
-        k = dense["k"]
-        num = jnp.sum((k[6] - k[5]) ** 2)
-        den = jnp.sum(jnp.tensordot(jnp.asarray(_Y1_MINUS_Y6, k.dtype), k, 1) ** 2)
-        is_stiff = num > 3.25**2 * den
-        stiff = jnp.where(is_stiff, stiff + 1, jnp.where(calm >= 5, 0, stiff))
-        calm = jnp.where(is_stiff, 0, calm + 1)
-        stop = diffrax.RESULTS.max_steps_reached
-        result = diffrax.RESULTS.where(stiff >= self.limit, stop, result)
-        return y1, error, dense, (inner, stiff, calm), result
 
 
 def _explicit(objective: Any, limit: int, constants: Any, x0: Any) -> Any:
-    """One simulation by `StiffnessTested`: its solution at the measurement times,
-    whether it finished, its steps (accepted and rejected)."""
+    """One simulation by `StiffnessTested` as `BDF(explicit_first=True)` solves it
+    (the problem's tolerances and `max_steps`): its solution at the measurement
+    times, whether it finished, its steps (accepted and rejected)."""
     ts = objective.tables.union_times
-    ts_j = jnp.asarray(ts, x0.dtype)
-    sol = diffrax.diffeqsolve(
-        diffrax.ODETerm(ReactionODE(constants, objective.formulas.rhs)),
-        StiffnessTested(limit=limit),
-        t0=jnp.zeros((), x0.dtype),
-        t1=ts_j[-1],
-        dt0=None,
-        y0=x0,
-        saveat=diffrax.SaveAt(ts=ts_j),
-        stepsize_controller=RejectionLimit(
-            diffrax.ClipStepSizeController(
-                diffrax.PIDController(rtol=objective.rtol, atol=objective.atol),
-                step_ts=jnp.asarray(ts[ts > 0], x0.dtype),
-            )
-        ),
-        max_steps=objective._max_steps,
-        throw=False,
-    )
-    ok = sol.result == diffrax.RESULTS.successful
-    return sol.ys, ok, sol.stats["num_steps"]  # accepted and rejected
+    solver = StiffnessTested(limit=limit)
+    return objective._diffrax_solve(solver, constants, x0, ts, objective._max_steps)
 
 
 def _bdf_attempts(objective: Any, constants: Any, x0: Any) -> int:
