@@ -89,6 +89,17 @@ def test_the_gradient_is_the_forward_sensitivities_of_the_solve_taken(problems):
     np.testing.assert_array_equal(g, bdf_g)
 
 
+@pytest.mark.slow  # compiles the second derivatives of both solves: seconds
+def test_the_hessian_is_the_closed_forms_whichever_method_solves(problems):
+    # (`problem.uncertainty`'s: forward mode over the sensitivities)
+    first = problems["first"]
+    p, re = sciflat.destructure(first.nominal, dtype=jnp.float64)
+    hessian = jax.jit(jax.hessian(lambda x: first.nll(re(x))))
+    for x in (p, p.at[0].set(STIFF_LOG10_K)):
+        reference = jax.hessian(small_nll_of_p)(x)
+        np.testing.assert_allclose(hessian(x), reference, rtol=1e-7, atol=1e-9)
+
+
 @pytest.fixture(scope="module")
 def first_nll(problems):
     """`nll` of the flat vector `(log10 k, scale, log sd)`, compiled once."""
