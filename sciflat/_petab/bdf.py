@@ -171,7 +171,8 @@ class BDF:
     - `explicit_first`: each solve of the simulations at the measurement times is
       tried first by an explicit method, Diffrax's `Tsit5` with Hairer's stiffness
       test, and solved by this BDF method where the test stops it or it fails (all
-      the simulations of the call by BDF then, its results as without the option).
+      the simulations of the call by BDF then, its results as without the option;
+      `simulate` at other times is BDF's).
       For models that are not stiff over most of the parameters explored: an
       explicit step costs a few evaluations of the vector field and no matrix
       (Crauste et al. 2017's llh in 0.4 of BDF's time, its gradient in 0.5). The

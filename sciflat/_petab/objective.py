@@ -441,11 +441,11 @@ class Objective:
         self._explicit_first = stepping and solver.explicit_first
         self._sims = simulations(tables)
         solve = lambda linear: self.solve_simulations(self.ext_of(linear))
-        both = self._bdf_sensitivities
+        together = self._bdf_sensitivities  # the solution and its Jacobian
         if self._explicit_first:
-            both = self._explicit_sensitivities
+            together = self._explicit_sensitivities
         sensitivities = forward_sensitivities(
-            solve, both if controlled else None, self._dynamic
+            solve, together if controlled else None, self._dynamic
         )
         # `nll`'s solve: in reverse mode the adjoint of the steps (`BDF.adjoint`),
         # at tighter tolerances where it stands in for the sensitivities' control.
