@@ -58,7 +58,6 @@ import optimistix
 
 import sciflat
 from sciflat._petab import bdf as bdf_module
-from sciflat._petab.bdf import bdf_solve
 from sciflat._petab.objective import StageChord, forward_sensitivities
 
 
@@ -131,20 +130,10 @@ def _steps(problem: Any, model: dict[str, Any]) -> str:
     ts = objective.tables.union_times
     out = []
     if isinstance(objective._solver, sciflat.BDF):
-        rhs = objective.formulas.rhs
         all_constants, all_x0 = objective.initial_all(ext)
         for c in range(len(objective.tables.conditions)):
-            _, _, stats = bdf_solve(
-                rhs,
-                rhs.jacobian,
-                all_constants[c : c + 1],
-                all_x0[c : c + 1],
-                ts,
-                objective.rtol,
-                objective.atol,
-                objective._max_steps,
-                with_stats=True,
-            )
+            one = (all_constants[c : c + 1], all_x0[c : c + 1], ts)
+            _, _, stats = objective._bdf_solve(*one, with_stats=True)
             a, r, _, lu, _ = (int(v) for v in stats[0])
             out.append(f"{a}+{r} ({lu} LU)")
         return (

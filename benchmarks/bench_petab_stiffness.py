@@ -28,7 +28,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import sciflat
-from sciflat._petab.bdf import bdf_solve
 from sciflat._petab.explicit import StiffnessTested
 
 
@@ -38,9 +37,10 @@ _SHARED = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "pet
 
 
 def _explicit(objective: Any, limit: int, constants: Any, x0: Any) -> Any:
-    """One simulation by `StiffnessTested` as `BDF(explicit_first=True)` solves it
-    (the problem's tolerances and `max_steps`): its solution at the measurement
-    times, whether it finished, its steps (accepted and rejected)."""
+    """One simulation by `StiffnessTested`, as `BDF(explicit_first=True)` tries it
+    but with the problem's `max_steps` (100,000) for its budget, to see how far it
+    goes: its solution at the measurement times, whether it finished, its steps
+    (accepted and rejected)."""
     ts = objective.tables.union_times
     solver = StiffnessTested(limit=limit)
     return objective._diffrax_solve(solver, constants, x0, ts, objective._max_steps)
@@ -48,22 +48,12 @@ def _explicit(objective: Any, limit: int, constants: Any, x0: Any) -> Any:
 
 def _bdf_attempts(objective: Any, constants: Any, x0: Any) -> int:
     """`BDF`'s attempts (accepted and rejected), each simulation alone."""
-    rhs, ts = objective.formulas.rhs, objective.tables.union_times
-    need = np.asarray(objective._sims.need)
+    ts, need = objective.tables.union_times, np.asarray(objective._sims.need)
     total = 0
     for s in range(len(need)):
-        _, _, stats = bdf_solve(
-            rhs,
-            rhs.jacobian,
-            constants[s : s + 1],
-            x0[s : s + 1],
-            ts,
-            objective.rtol,
-            objective.atol,
-            objective._max_steps,
-            with_stats=True,
-            need=jnp.asarray(need[s : s + 1], jnp.int32),
-        )
+        m = jnp.asarray(need[s : s + 1], jnp.int32)
+        one = (constants[s : s + 1], x0[s : s + 1], ts)
+        _, _, stats = objective._bdf_solve(*one, with_stats=True, need=m)
         total += int(stats[0, 0]) + int(stats[0, 1])
     return total
 
