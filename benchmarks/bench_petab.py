@@ -238,6 +238,10 @@ def _one_thread_but_jax() -> list[str]:
     return held
 
 
+# `--explicit-first`: sciflat's `BDF(explicit_first=...)`.
+_EXPLICIT_FIRST = {"default": None, "always": True, "never": False}
+
+
 def one_problem(
     yaml: pathlib.Path,
     models: pathlib.Path,
@@ -248,12 +252,12 @@ def one_problem(
     values_only: bool = False,
     method: str = "forward",
     block: int = _BLOCK,
-    explicit_first: bool = False,
+    explicit_first: bool | None = None,
 ) -> None:
     """Everything for one problem, in this (fresh) process; results as `_emit` lines.
     `values_only`: the llh and its time, no sensitivities on either side; `method`:
     AMICI's sensitivities, `"forward"` or `"adjoint"`; `explicit_first`: sciflat's
-    solver `BDF(explicit_first=True)`, not its default."""
+    solver `BDF(explicit_first=...)` (None: the default)."""
     import logging
 
     import amici  # noqa: F401  (imported before any clock starts, as JAX is)
@@ -607,7 +611,8 @@ def against_amici(args: argparse.Namespace) -> None:
             str(args.block),
             *(["--amici-only"] if args.amici_only else []),
             *(["--values-only"] if args.values_only else []),
-            *(["--explicit-first"] if args.explicit_first else []),
+            "--explicit-first",
+            args.explicit_first,
             *(["--grad-tol", *map(str, args.grad_tol)] if args.grad_tol else []),
             "--amici-sensitivities",
             args.amici_sensitivities,
@@ -729,8 +734,10 @@ if __name__ == "__main__":
     )
     parser.add_argument(
         "--explicit-first",
-        action="store_true",
-        help="--amici: sciflat with BDF(explicit_first=True), not its default solver",
+        choices=sorted(_EXPLICIT_FIRST),
+        default="default",
+        help="--amici: sciflat's BDF(explicit_first=...): None (default), True "
+        "(always), False (never)",
     )
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--build-one", help=argparse.SUPPRESS)
@@ -748,7 +755,7 @@ if __name__ == "__main__":
             args.values_only,
             args.amici_sensitivities,
             args.block,
-            args.explicit_first,
+            _EXPLICIT_FIRST[args.explicit_first],
         )
     elif args.from_json:
         _table(json.loads(pathlib.Path(args.from_json).read_text()), "", args.repeats)

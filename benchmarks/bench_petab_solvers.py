@@ -31,7 +31,9 @@ converged value to 1e-11 on these problems). Variants:
 - `BDF (default), rtol 1e-6`: the default solver at those tolerances;
 - `Tsit5`: explicit, for the problems that are not stiff;
 - `BDF, explicit first`: `BDF(explicit_first=True)`, each call's simulations tried
-  by `Tsit5` with a stiffness test first, by `BDF` where it stops;
+  by `Tsit5` with a stiffness test first, by `BDF` where it stops, on every problem
+  (`BDF`, the default, chooses it per problem at the nominal parameters);
+- `BDF, never explicit`: `BDF(explicit_first=False)`, `BDF` alone;
 - `Kvaerno5, conditions in turn`: `Kvaerno5, StageChord` with the conditions solved
   one after the other (`jax.lax.map`) rather than in one `vmap` (where every
   condition takes as many steps as the slowest).
@@ -90,6 +92,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "BDF, conditions as one batch": {"solver": sciflat.BDF(), "bdf_in_turn": False},
     "BDF, SciPy's step choice": {"solver": sciflat.BDF(), "bias": (1.0, 1.0, 1.0)},
     "BDF, explicit first": {"solver": sciflat.BDF(explicit_first=True)},
+    "BDF, never explicit": {"solver": sciflat.BDF(explicit_first=False)},
     "Kvaerno4, Newton": {"solver": _newton(diffrax.Kvaerno4, 1e-8, 1e-10)},
     "Kvaerno3, Newton": {"solver": _newton(diffrax.Kvaerno3, 1e-8, 1e-10)},
     "Kvaerno5, chord": {"solver": diffrax.Kvaerno5()},

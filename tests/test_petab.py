@@ -1343,7 +1343,7 @@ def test_bdf_gradients_converge_with_the_tolerances_as_the_values(tmp_path):
     # that give a gradient choose their steps by the sensitivities' errors too, as
     # AMICI's do. At rtol 1e-6 the gradient is 1.2e-7 off its converged value with
     # them, 1.2e-6 along the state's steps alone, and 4e-8 by the adjoint of a
-    # solve at 1e-8.
+    # solve at 1e-8. (`nll`'s values by BDF too: `explicit_first=False`.)
     path = small_problem(tmp_path / "small")
     problems = {
         control: sciflat.petab_problem(
@@ -1353,6 +1353,7 @@ def test_bdf_gradients_converge_with_the_tolerances_as_the_values(tmp_path):
             solver=sciflat.BDF(
                 control_sensitivities=control is not False,
                 adjoint=control == "adjoint",
+                explicit_first=False,
             ),
         )
         for control in (True, False, "adjoint")
@@ -1391,9 +1392,9 @@ def test_sensitivities_are_computed_for_the_parameters_the_solves_read(
     dynamic = dynamic_parameters(objective.tables)
     assert [ids[i] for i in dynamic] == ["k"]
     linear = objective.linear(small.nominal)
-    full = jax.jit(jax.jacfwd(lambda v: objective.solve_all(objective.ext_of(v))[0]))(
-        linear
-    )
+    # (BDF's solve: the derivatives are BDF's whatever solves the values)
+    bdf = lambda v: objective.solve_all(objective.ext_of(v), explicit=False)[0]
+    full = jax.jit(jax.jacfwd(bdf))(linear)
 
     def sensitivities(bdf):
         again = Objective(

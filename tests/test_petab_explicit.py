@@ -1,5 +1,7 @@
-"""`BDF(explicit_first=True)`: the simulations tried first by an explicit method with a
-stiffness test (`sciflat._petab.explicit.StiffnessTested`), by BDF where it stops."""
+"""`BDF`'s `explicit_first`: the solves of a value tried first by an explicit method
+with a stiffness test (`sciflat._petab.explicit.StiffnessTested`), by BDF where it
+stops; chosen per problem at its nominal parameters by default; the derivatives
+BDF's either way."""
 
 import jax
 import jax.numpy as jnp
@@ -8,11 +10,11 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import sciflat
-from sciflat._petab.explicit import StiffnessTested
+from sciflat._petab.explicit import EXPLICIT_SHARE, StiffnessTested, explicit_budget
 
 
 pytest.importorskip("libsbml")  # the `petab` extra (in `test`): always there
-from test_petab import small_nll_of_p, small_problem
+from test_petab import SCALE, SD, SD_B, small_nll_of_p, small_problem
 
 
 # The small problem of test_petab.py (A -> B at rate k / 2, C decaying at 2 k; closed
@@ -24,15 +26,28 @@ TOLERANCES = dict(rtol=1e-11, atol=1e-13)
 
 @pytest.fixture(scope="module")
 def problems(tmp_path_factory):
-    path = small_problem(tmp_path_factory.mktemp("petab") / "small")
-    read = lambda solver, **kw: sciflat.petab_problem(path, solver=solver, **kw)
+    folder = tmp_path_factory.mktemp("petab")
+    path = small_problem(folder / "small")
+    read = lambda solver, at=path: sciflat.petab_problem(
+        at, solver=solver, **TOLERANCES
+    )
+    # The same problem, its nominal k stiff.
+    stiff = small_problem(
+        folder / "stiff",
+        parameters_table=[
+            ("k", "log10", 1e-3, 1e3, 10**STIFF_LOG10_K, 1),
+            ("scale", "lin", 0.1, 10, SCALE, 1),
+            ("sd", "log", 1e-3, 10, SD, 1),
+            ("sdB", "lin", 0, 1, SD_B, 0),
+        ],
+    )
     return {
-        "first": read(sciflat.BDF(explicit_first=True), **TOLERANCES),
-        "bdf": read(sciflat.BDF(), **TOLERANCES),
-        "tsit5": read(StiffnessTested(), **TOLERANCES),
-        "budget": read(
-            sciflat.BDF(explicit_first=True, explicit_max_steps=5), **TOLERANCES
-        ),
+        "auto": read(sciflat.BDF()),
+        "first": read(sciflat.BDF(explicit_first=True)),
+        "bdf": read(sciflat.BDF(explicit_first=False)),
+        "tsit5": read(StiffnessTested()),
+        "budget": read(sciflat.BDF(explicit_first=True, explicit_max_steps=5)),
+        "auto, stiff": read(sciflat.BDF(), stiff),
     }
 
 
@@ -41,14 +56,18 @@ def _with_k(problem, log10_k):
 
 
 def _finished(problem, model):
+    """Whether the explicit solve finishes each simulation, within the problem's
+    budget of steps."""
     objective = problem._objective
-    _, ok = objective._explicit_all(*objective.initial(objective.ext(model)))
+    budget = objective._explicit_budget
+    ok = objective._explicit_all(*objective.initial(objective.ext(model)), budget)[1]
     return np.asarray(ok)
 
 
 @pytest.mark.slow  # compiles an explicit and a BDF solve: seconds
-def test_a_model_that_is_not_stiff_is_solved_by_the_explicit_method(problems):
-    first = problems["first"]
+@pytest.mark.parametrize("which", ["auto", "first"])
+def test_a_model_that_is_not_stiff_is_solved_by_the_explicit_method(problems, which):
+    first = problems[which]
     model = first.nominal
     assert _finished(first, model).all()
     # The explicit solve's value, to the bit, and the closed form's within the
@@ -61,6 +80,28 @@ def test_a_model_that_is_not_stiff_is_solved_by_the_explicit_method(problems):
 
 
 @pytest.mark.slow  # compiles an explicit and a BDF solve: seconds
+def test_by_default_the_budget_is_bdfs_attempts_on_its_longest_simulation(problems):
+    # Chosen at the first solve, inside the trace of `nll` (above or here).
+    auto = problems["auto"]
+    auto.nll(auto.nominal)
+    budget = auto._objective._explicit_budget
+    objective = problems["bdf"]._objective
+    constants, x0 = objective.initial(objective.ext(auto.nominal))
+    attempts = [
+        int(
+            np.sum(
+                objective._bdf_solve(
+                    k, x, objective.tables.union_times, with_stats=True
+                )[2][0, :2]
+            )
+        )
+        for k, x in zip(constants[:, None], x0[:, None], strict=True)
+    ]
+    assert budget == max(attempts)
+    assert problems["first"]._objective._explicit_budget == 10_000  # as given
+
+
+@pytest.mark.slow  # compiles an explicit and a BDF solve: seconds
 def test_where_the_model_is_stiff_the_stiffness_test_hands_over_to_bdf(problems):
     first = problems["first"]
     model = _with_k(first, STIFF_LOG10_K)
@@ -68,31 +109,57 @@ def test_where_the_model_is_stiff_the_stiffness_test_hands_over_to_bdf(problems)
     assert first.nll(model) == problems["bdf"].nll(model)
     # Past its budget of steps the explicit solve hands over too.
     budget = problems["budget"]
-    assert not _finished(budget, budget.nominal).all()
     assert budget.nll(budget.nominal) == problems["bdf"].nll(budget.nominal)
 
 
+@pytest.mark.slow  # compiles an explicit and a BDF solve: seconds
+def test_by_default_a_model_stiff_at_its_nominal_parameters_is_bdfs(problems):
+    stiff = problems["auto, stiff"]
+    assert stiff.nll(stiff.nominal) == problems["bdf"].nll(stiff.nominal)
+    assert stiff._objective._explicit_budget is None
+
+
+def test_the_explicit_method_is_chosen_where_it_takes_at_most_half_the_attempts():
+    most = 10_000
+    assert explicit_budget(np.array([10, 20]), np.array([30, 45]), most) == 45
+    share = EXPLICIT_SHARE * 75
+    assert explicit_budget(np.array([share]), np.array([30, 45]), most) == 45
+    assert explicit_budget(np.array([share + 1]), np.array([30, 45]), most) is None
+    assert explicit_budget(np.array([10, 20]), np.array([30, 45]), 40) == 40
+
+
 @pytest.mark.slow  # compiles the gradients of both solves: seconds
-def test_the_gradient_is_the_forward_sensitivities_of_the_solve_taken(problems):
-    first, bdf = problems["first"], problems["bdf"]
+@pytest.mark.parametrize(
+    "which, controlled", [("auto", None), ("first", None), ("first", False)]
+)
+def test_the_derivatives_are_bdfs_whichever_method_solves_the_value(
+    tmp_path, problems, which, controlled
+):
+    first, bdf = problems[which], problems["bdf"]
+    if controlled is False:  # the derivatives along the steps: BDF's steps too
+        path = small_problem(tmp_path / "small")
+        read = lambda e: sciflat.petab_problem(
+            path,
+            solver=sciflat.BDF(explicit_first=e, control_sensitivities=False),
+            **TOLERANCES,
+        )
+        first, bdf = read(True), read(False)
     p, re = sciflat.destructure(first.nominal, dtype=jnp.float64)
     grad = jax.jit(jax.value_and_grad(lambda x: first.nll(re(x))))
-    # Not stiff: the explicit solve's sensitivities, the closed form's gradient.
-    value, g = grad(p)
-    assert value == first.nll(re(p))
-    np.testing.assert_allclose(g, jax.grad(small_nll_of_p)(p), rtol=1e-7)
-    # Stiff: BDF's, to the bit.
-    stiff = p.at[0].set(STIFF_LOG10_K)
-    value, g = grad(stiff)
-    bdf_value, bdf_g = jax.value_and_grad(lambda x: bdf.nll(re(x)))(stiff)
-    assert value == bdf_value
-    np.testing.assert_array_equal(g, bdf_g)
+    bdf_grad = jax.jit(jax.value_and_grad(lambda x: bdf.nll(re(x))))
+    for x in (p, p.at[0].set(STIFF_LOG10_K)):
+        value, g = grad(x)
+        bdf_value, bdf_g = bdf_grad(x)
+        assert value == bdf_value
+        np.testing.assert_array_equal(g, bdf_g)
+        reference = jax.grad(small_nll_of_p)(x)
+        np.testing.assert_allclose(g, reference, rtol=1e-7, atol=1e-9)
 
 
 @pytest.mark.slow  # compiles the second derivatives of both solves: seconds
 def test_the_hessian_is_the_closed_forms_whichever_method_solves(problems):
     # (`problem.uncertainty`'s: forward mode over the sensitivities)
-    first = problems["first"]
+    first = problems["auto"]
     p, re = sciflat.destructure(first.nominal, dtype=jnp.float64)
     hessian = jax.jit(jax.hessian(lambda x: first.nll(re(x))))
     for x in (p, p.at[0].set(STIFF_LOG10_K)):
@@ -103,7 +170,7 @@ def test_the_hessian_is_the_closed_forms_whichever_method_solves(problems):
 @pytest.fixture(scope="module")
 def first_nll(problems):
     """`nll` of the flat vector `(log10 k, scale, log sd)`, compiled once."""
-    first = problems["first"]
+    first = problems["auto"]
     p, re = sciflat.destructure(first.nominal, dtype=jnp.float64)
     return jax.jit(lambda x: first.nll(re(x))), p
 
@@ -119,7 +186,7 @@ def test_the_llh_is_the_closed_form_whichever_method_solves(first_nll, log10_k):
 
 @pytest.mark.slow  # traces the solves: seconds
 def test_explicit_first_computes_in_float64_throughout(problems):
-    first = problems["first"]
+    first = problems["auto"]
     for fn in (first.nll, jax.jacfwd(first.nll)):
         report = sciflat.audit_dtypes(fn, first.nominal, grad=False)
         assert not report.findings, str(report)
@@ -129,7 +196,7 @@ def test_explicit_first_computes_in_float64_throughout(problems):
     "options, error",
     [
         (dict(explicit_first=1), TypeError),
-        (dict(explicit_first=None), TypeError),
+        (dict(explicit_first="yes"), TypeError),
         (dict(explicit_max_steps=0), ValueError),
         (dict(explicit_max_steps=2.5), ValueError),
         (dict(explicit_max_steps=True), ValueError),

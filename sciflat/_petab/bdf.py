@@ -168,19 +168,25 @@ class BDF:
       models of `ADJOINT_FROM_STATES` (20) species or more, or simulations that
       read `ADJOINT_FROM_DIRECTIONS` (12) parameters or more; `True`: always;
       `False`: never.
-    - `explicit_first`: each solve of the simulations at the measurement times is
-      tried first by an explicit method, Diffrax's `Tsit5` with Hairer's stiffness
-      test, and solved by this BDF method where the test stops it or it fails (all
-      the simulations of the call by BDF then, its results as without the option;
-      `simulate` at other times is BDF's).
-      For models that are not stiff over most of the parameters explored: an
-      explicit step costs a few evaluations of the vector field and no matrix
-      (Crauste et al. 2017's llh in 0.4 of BDF's time, its gradient in 0.5). The
-      derivatives are forward sensitivities (the explicit solve's, along its steps,
-      or BDF's), not the adjoint. A stiff region costs the explicit steps until the
-      test stops them (Boehm et al. 2014: 53 steps, its llh 1.1 times BDF's time)
-      or `explicit_max_steps` (Elowitz et al. 2000, where the test does not fire:
-      14 times).
+    - `explicit_first`: whether the solves of a value (`nll`, `llh`, `residuals`;
+      not `simulate`'s) are tried first by an explicit method,
+      Diffrax's `Tsit5` with Hairer's stiffness test, and solved by this BDF method
+      where the test stops it, its budget of steps runs out, or it fails (all the
+      simulations of the call by BDF then, its results as without the option). An
+      explicit step costs a few evaluations of the vector field and no matrix: on a
+      model that is not stiff it solves in a third of BDF's steps (Crauste et al.
+      2017's llh in 0.4 of BDF's time). Derivatives are BDF's whatever solves the
+      value (the sensitivities' errors controlled as `control_sensitivities` says,
+      or the adjoint). `None` (the default): chosen once per problem, at its first
+      solve, at the nominal parameters: tried first where the model has fewer than
+      `EXPLICIT_BELOW_STATES` (20) species and the explicit solves all finish there
+      in at most half of BDF's attempts (`EXPLICIT_SHARE`), with a budget of steps
+      a simulation equal to BDF's attempts on its longest simulation (at most
+      `explicit_max_steps`); so a stiff region met in a fit costs explicit steps
+      only until the test or that budget stops them. `True`: always, with
+      `explicit_max_steps` (a stiff model pays its explicit steps each call: Boehm
+      et al. 2014 1.1 times BDF's time, Elowitz et al. 2000, where the test does
+      not fire, 14 times). `False`: never.
     - `explicit_max_steps`: the explicit solve's most steps, accepted and rejected
       (Crauste et al. 2017 takes 312, Borghans et al. 1997 1,179).
     """
@@ -188,7 +194,7 @@ class BDF:
     max_order: int = 5
     control_sensitivities: bool | None = None
     adjoint: bool | None = None
-    explicit_first: bool = False
+    explicit_first: bool | None = None
     explicit_max_steps: int = 10_000
 
     def __post_init__(self):
@@ -206,9 +212,10 @@ class BDF:
             raise TypeError(
                 f"`adjoint` must be None, True or False, got {self.adjoint!r}."
             )
-        if not isinstance(self.explicit_first, bool):
+        if not (self.explicit_first is None or isinstance(self.explicit_first, bool)):
             raise TypeError(
-                f"`explicit_first` must be True or False, got {self.explicit_first!r}."
+                "`explicit_first` must be None, True or False, got "
+                f"{self.explicit_first!r}."
             )
         steps = self.explicit_max_steps
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
@@ -226,8 +233,6 @@ class BDF:
     def reverse(self, n_directions: int, n_states: int) -> bool:
         """Whether `jax.grad` of `nll` runs the adjoint of the steps, for a model of
         `n_states` species whose simulation reads `n_directions` parameters."""
-        if self.explicit_first:
-            return False
         if self.adjoint is None:
             return (
                 n_directions > CONTROL_UP_TO

@@ -8,7 +8,8 @@ at `t + h`: `ρ = |f(t + h, y₁) - f(t + h, y₆)| / |y₁ - y₆|`. A step is 
 `h ρ > 3.25` (about where `Tsit5`'s stability region meets the negative real axis);
 after `limit` stiff steps with no run of 6 others between them, the step fails and the
 solve stops (its result `max_steps_reached`), so that the caller can solve with a
-stiff method instead (`BDF(explicit_first=True)`).
+stiff method instead (`BDF`'s `explicit_first`), and `explicit_budget` says whether
+a problem's simulations are worth trying so, from one solve by each method.
 """
 
 from typing import Any
@@ -25,6 +26,28 @@ _Y1_MINUS_Y6 = np.asarray(_TABLEAU.b_sol) - np.pad(
 )
 _STIFF_H_RHO = 3.25
 _CALM_RUN = 6
+
+# The problems whose simulations `BDF(explicit_first=None)` tries explicitly: fewer
+# species than this (the collection's four models of 20 species or more are stiff,
+# and a probe of theirs would cost seconds of compilation for nothing) ...
+EXPLICIT_BELOW_STATES = 20
+# ... and explicit solves that finish in at most this share of `BDF`'s attempts (an
+# explicit step costs about three of `BDF`'s: the five models of the collection
+# that are not stiff take 0.31-0.35; Armistead et al. 2024, whose explicit solve
+# finishes, 2.9).
+EXPLICIT_SHARE = 0.5
+
+
+def explicit_budget(steps: np.ndarray, attempts: np.ndarray, most: int) -> int | None:
+    """The explicit solve's budget of steps for a problem whose simulations, at its
+    nominal parameters, `StiffnessTested` solved in `steps` and `BDF` in `attempts`
+    (each simulation's, accepted and rejected), or None where they are not worth
+    trying explicitly (more than `EXPLICIT_SHARE` of `BDF`'s attempts). The budget
+    is `BDF`'s attempts on its longest simulation (at most `most`): where a fit's
+    parameters make the explicit solve take more, `BDF` is the cheaper solve."""
+    if np.sum(steps) > EXPLICIT_SHARE * np.sum(attempts):
+        return None
+    return int(min(most, np.max(attempts)))
 
 
 class StiffnessTested(diffrax.Tsit5):

@@ -36,7 +36,7 @@ except ImportError:  # pragma: no cover (the `petab` extra installs them)
 
 from .bdf import ADJOINT_TIGHTER, BDF, bdf_adjoint, bdf_solve
 from .controller import RejectionLimit
-from .explicit import StiffnessTested
+from .explicit import EXPLICIT_BELOW_STATES, StiffnessTested, explicit_budget
 
 
 # From this many species on, `BDF` solves the conditions in turn (`nll`'s a few at a
@@ -292,6 +292,7 @@ def forward_sensitivities(
     solve: Callable,
     sensitivities: Callable | None = None,
     dynamic: npt.NDArray[np.int64] | None = None,
+    value: Callable | None = None,
 ) -> Callable:
     """`solve(x) -> (ys, ok)` whose derivative is its forward sensitivities: any
     JVP computes the whole Jacobian dys/dx (one tangent per parameter, through the
@@ -302,8 +303,9 @@ def forward_sensitivities(
     `dynamic`: the entries of `x` that `solve` depends on at all (the others'
     columns are zeros, not computed); `sensitivities(x) -> (ys, ok, dys/dx)`, if
     given, computes the solution and its Jacobian together (its solves' steps may
-    differ from `solve`'s)."""
-    fn = jax.custom_jvp(solve)
+    differ from `solve`'s). `value(x) -> (ys, ok)`, if given, is the function's
+    value where it is not differentiated (another solve of the same problem)."""
+    fn = jax.custom_jvp(solve if value is None else value)
 
     @fn.defjvp
     def jvp(primals, tangents):
@@ -323,6 +325,12 @@ def forward_sensitivities(
         return (ys, ok), (dys, np.zeros(jnp.shape(ok), jax.dtypes.float0))
 
     return fn
+
+
+def _run_now(fn: Callable, *args: Any) -> Any:
+    """`fn(*args)`, compiled and run now, even where it is called inside a trace (a
+    compiled executable's call is not staged into it); `args` concrete."""
+    return jax.jit(fn).lower(*args).compile()(*args)
 
 
 def columns(sub: Array, index: npt.NDArray[np.int64], size: int) -> Array:
@@ -437,15 +445,18 @@ class Objective:
             and float(tables.union_times[-1]) > 0  # else no steps to choose
         )
         controlled = stepping and solver.controls(len(self._dynamic))
-        # `BDF(explicit_first=True)`: the simulations tried by `StiffnessTested`.
-        self._explicit_first = stepping and solver.explicit_first
+        self._stepping = stepping
         self._sims = simulations(tables)
+        # The value's solve (tried first by an explicit method where `BDF`'s
+        # `explicit_first` says so: `_explicit_budget`) and `BDF`'s alone, which
+        # the derivatives are.
         solve = lambda linear: self.solve_simulations(self.ext_of(linear))
-        together = self._bdf_sensitivities  # the solution and its Jacobian
-        if self._explicit_first:
-            together = self._explicit_sensitivities
+        bdf = lambda linear: self.solve_simulations(self.ext_of(linear), False)
         sensitivities = forward_sensitivities(
-            solve, together if controlled else None, self._dynamic
+            bdf,
+            self._bdf_sensitivities if controlled else None,
+            self._dynamic,
+            value=solve,
         )
         # `nll`'s solve: in reverse mode the adjoint of the steps (`BDF.adjoint`),
         # at tighter tolerances where it stands in for the sensitivities' control.
@@ -551,19 +562,26 @@ class Objective:
 
         return per_condition
 
-    def solve_all(self, ext: Array) -> tuple[Array, Array]:
-        """Every condition at the union of the measurement times: `(C, T, n)`."""
-        return self._per_condition(self.solve_simulations)(ext)
+    def solve_all(self, ext: Array, explicit: bool = True) -> tuple[Array, Array]:
+        """Every condition at the union of the measurement times: `(C, T, n)`
+        (`explicit`: `solve_simulations`'s)."""
+        solve = lambda e: self.solve_simulations(e, explicit)
+        return self._per_condition(solve)(ext)
 
-    def solve_simulations(self, ext: Array) -> tuple[Array, Array]:
-        """Every simulation at the union of the measurement times: `(S, T, n)`."""
+    def solve_simulations(
+        self, ext: Array, explicit: bool = True
+    ) -> tuple[Array, Array]:
+        """Every simulation at the union of the measurement times: `(S, T, n)`.
+        `explicit`: tried first by `StiffnessTested` where `_explicit_budget` says
+        so (`False`: `BDF` alone)."""
         ts = self.tables.union_times
         if len(self._sims.first) == 1 and not isinstance(self._solver, BDF):
             ys, ok = self.solve(ext, int(self._sims.first[0]), ts)
             return ys[None], ok
         constants, x0 = self.initial(ext)
-        if self._explicit_first:
-            ys, ok = self._explicit_all(constants, x0)
+        budget = self._explicit_budget if explicit else None
+        if budget is not None:
+            ys, ok, _ = self._explicit_all(constants, x0, budget)
             bdf = lambda: self._bdf(constants, x0, ts, self._sims.need)
             ys, ok = jax.lax.cond(jnp.all(ok), lambda: (ys, ok), bdf)
         elif isinstance(self._solver, BDF):
@@ -585,15 +603,55 @@ class Objective:
         )
         return ys, ok
 
-    def _explicit_all(self, constants: Array, x0: Array) -> tuple[Array, Array]:
-        """The simulations `(S, k)`, `(S, n)` by `StiffnessTested` (`BDF`'s
-        `explicit_first`): `(S, T, n)` at the measurement times, and `(S,)` whether
-        each finished (not stopped by the stiffness test, not failed)."""
-        ts, steps = self.tables.union_times, self._solver.explicit_max_steps
-        one = lambda k, x: self._diffrax_solve(StiffnessTested(), k, x, ts, steps)[:2]
+    @ft.cached_property
+    def _explicit_budget(self) -> int | None:
+        """The explicit solve's most steps a simulation where the value's solves are
+        tried by `StiffnessTested` first (`BDF`'s `explicit_first`), None where
+        `BDF` solves them alone. Chosen once, at the first solve (`explicit_first=
+        None`): by a solve with each method at the nominal parameters
+        (`explicit_budget`), computed then even inside a trace."""
+        choice = self._solver.explicit_first if self._stepping else False
+        most = getattr(self._solver, "explicit_max_steps", 0)
+        if choice is None:
+            return self._probe_explicit(most)
+        return most if choice else None
+
+    def _probe_explicit(self, most: int) -> int | None:
+        """`explicit_budget` at the nominal parameters, in float64."""
+        par = self.tables.parameters
+        nominal = np.asarray(par.nominal_lin[par.estimated], np.float64)
+        ts, need = self.tables.union_times, self._sims.need
+        initial = lambda linear: self.initial(self.ext_of(linear))
+        if jax.eval_shape(initial, nominal)[1].shape[1] >= EXPLICIT_BELOW_STATES:
+            return None
+
+        def explicit(linear: Array) -> tuple[Array, Array]:
+            return self._explicit_all(*initial(linear), most)[1:]
+
+        ok, steps = _run_now(explicit, nominal)
+        if not np.asarray(ok).all():
+            return None
+
+        def attempts(linear: Array) -> Array:
+            m = jnp.asarray(need, jnp.int32)
+            stats = self._bdf_solve(*initial(linear), ts, with_stats=True, need=m)
+            return stats[2][:, 0] + stats[2][:, 1]  # accepted, rejected
+
+        tried = _run_now(attempts, nominal)
+        return explicit_budget(np.asarray(steps), np.asarray(tried), most)
+
+    def _explicit_all(
+        self, constants: Array, x0: Array, most: int
+    ) -> tuple[Array, Array, Array]:
+        """The simulations `(S, k)`, `(S, n)` by `StiffnessTested`, at most `most`
+        steps each: `(S, T, n)` at the measurement times, `(S,)` whether each
+        finished (not stopped by the stiffness test, not failed), and `(S,)` its
+        steps (accepted and rejected)."""
+        ts = self.tables.union_times
+        one = lambda k, x: self._diffrax_solve(StiffnessTested(), k, x, ts, most)
         if len(x0) == 1:  # not vmapped: a vmapped step's conditionals are selects
-            ys, ok = one(constants[0], x0[0])
-            return ys[None], ok[None]
+            ys, ok, steps = one(constants[0], x0[0])
+            return ys[None], ok[None], steps[None]
         return jax.vmap(one)(constants, x0)
 
     def _diffrax_solve(
@@ -751,24 +809,6 @@ class Objective:
             dys = jnp.moveaxis(dys, 1, 0)
         jac = jnp.moveaxis(dys, 0, -1) / size  # (S, T, n, P)
         return ys, jnp.all(ok), columns(jac, index, len(linear))
-
-    def _explicit_sensitivities(self, linear: Array) -> tuple[Array, Array, Array]:
-        """`_bdf_sensitivities` tried first by `StiffnessTested` (`BDF`'s
-        `explicit_first`): the explicit solves' forward sensitivities, along their
-        steps, where they all finish; else `BDF`'s."""
-        index = self._dynamic
-
-        def ys_and_all(sub: Array) -> tuple[Array, tuple[Array, Array]]:
-            ext = self.ext_of(linear.at[index].set(sub))
-            ys, ok = self._explicit_all(*self.initial(ext))
-            return ys, (ys, ok)
-
-        sub_jac, (ys, ok) = jax.jacfwd(ys_and_all, has_aux=True)(linear[index])
-        jac = columns(sub_jac, index, len(linear))
-        explicit = lambda: (ys, jnp.all(ok), jac)
-        return jax.lax.cond(
-            jnp.all(ok), explicit, lambda: self._bdf_sensitivities(linear)
-        )
 
     def _with_adjoint(self, solve: Callable, tighter: float) -> Callable:
         """`solve(linear) -> (ys, ok)` whose reverse mode is the discrete adjoint of
