@@ -172,7 +172,8 @@ class BDF:
       not `simulate`'s) are tried first by an explicit method,
       Diffrax's `Tsit5` with Hairer's stiffness test, and solved by this BDF method
       where the test stops it, its budget of steps runs out, or it fails (all the
-      simulations of the call by BDF then, its results as without the option). An
+      simulations of the call by BDF then, its results as without the option;
+      under `jax.vmap` over parameter sets, BDF alone). An
       explicit step costs a few evaluations of the vector field and no matrix: on a
       model that is not stiff it solves in a third of BDF's steps (Crauste et al.
       2017's llh in 0.4 of BDF's time). Derivatives are BDF's whatever solves the

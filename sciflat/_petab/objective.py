@@ -581,9 +581,7 @@ class Objective:
         constants, x0 = self.initial(ext)
         budget = self._explicit_budget if explicit else None
         if budget is not None:
-            ys, ok, _ = self._explicit_all(constants, x0, budget)
-            bdf = lambda: self._bdf(constants, x0, ts, self._sims.need)
-            ys, ok = jax.lax.cond(jnp.all(ok), lambda: (ys, ok), bdf)
+            ys, ok = self._explicit_first(constants, x0, budget)
         elif isinstance(self._solver, BDF):
             ys, ok = self._bdf(constants, x0, ts, self._sims.need)
         else:
@@ -639,6 +637,30 @@ class Objective:
 
         tried = _run_now(attempts, nominal)
         return explicit_budget(np.asarray(steps), np.asarray(tried), most)
+
+    def _explicit_first(
+        self, constants: Array, x0: Array, budget: int
+    ) -> tuple[Array, Array]:
+        """The simulations `(S, k)`, `(S, n)` by `StiffnessTested` with `budget`
+        steps each, or all by `BDF` where one of them does not finish (`lax.cond`:
+        `BDF`'s results to the bit there). Under `jax.vmap` (a batch of parameter
+        sets: `sciflat.fit`'s or `least_squares(method="device")`'s starts) by
+        `BDF` alone: a batched condition would be a select, both methods run for
+        every member of the batch."""
+        ts, need = self.tables.union_times, self._sims.need
+        bdf = lambda k, x: self._bdf(k, x, ts, need)
+
+        @jax.custom_batching.custom_vmap
+        def first(k: Array, x: Array) -> tuple[Array, Array]:
+            ys, ok, _ = self._explicit_all(k, x, budget)
+            return jax.lax.cond(jnp.all(ok), lambda: (ys, ok), lambda: bdf(k, x))
+
+        @first.def_vmap
+        def batched(size: int, in_batched: list, k: Array, x: Array) -> Any:
+            axes = tuple(0 if b else None for b in in_batched)
+            return jax.vmap(bdf, in_axes=axes)(k, x), (True, True)
+
+        return first(constants, x0)
 
     def _explicit_all(
         self, constants: Array, x0: Array, most: int
