@@ -46,7 +46,6 @@ def problems(tmp_path_factory):
         "first": read(sciflat.BDF(explicit_first=True)),
         "bdf": read(sciflat.BDF(explicit_first=False)),
         "tsit5": read(StiffnessTested()),
-        "budget": read(sciflat.BDF(explicit_first=True, explicit_max_steps=5)),
         "auto, stiff": read(sciflat.BDF(), stiff),
     }
 
@@ -68,9 +67,8 @@ def _finished(problem, model):
 def test_a_model_that_is_not_stiff_is_solved_by_the_explicit_method(problems):
     first = problems["auto"]
     model = first.nominal
-    assert _finished(first, model).all()
-    # The explicit solve's value, to the bit, and the closed form's within the
-    # tolerances; BDF's is another solve's.
+    # The explicit solve's value, to the bit (so it finished), and the closed
+    # form's within the tolerances; BDF's is another solve's.
     value = first.nll(model)
     assert value == problems["tsit5"].nll(model)
     assert value != problems["bdf"].nll(model)
@@ -106,9 +104,6 @@ def test_where_the_model_is_stiff_the_stiffness_test_hands_over_to_bdf(problems)
     model = _with_k(first, STIFF_LOG10_K)
     assert not _finished(first, model).any()  # the test stopped both simulations
     assert first.nll(model) == problems["bdf"].nll(model)
-    # Past its budget of steps the explicit solve hands over too.
-    budget = problems["budget"]
-    assert budget.nll(budget.nominal) == problems["bdf"].nll(budget.nominal)
 
 
 @pytest.mark.slow  # compiles an explicit and a BDF solve: seconds
