@@ -32,8 +32,9 @@ _CALM_RUN = 6
 # and a probe of theirs would cost seconds of compilation for nothing) ...
 EXPLICIT_BELOW_STATES = 20
 # ... and explicit solves that finish in at most this share of `BDF`'s attempts (an
-# explicit step costs about three of `BDF`'s: the five models of the collection
-# that are not stiff take 0.31-0.35; Armistead et al. 2024, whose explicit solve
+# explicit step costs one to two and a half of `BDF`'s attempts, Crauste et al.
+# 2017's and Borghans et al. 1997's: the five models of the collection that are not
+# stiff take 0.31-0.35 of the attempts; Armistead et al. 2024, whose explicit solve
 # finishes, 2.9).
 EXPLICIT_SHARE = 0.5
 
