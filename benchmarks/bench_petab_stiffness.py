@@ -1,17 +1,18 @@
 """Which PEtab problems are stiff at their nominal parameters: an explicit method's
 steps against `BDF`'s, with Hairer's stiffness test.
 
-For each problem, at the nominal parameters, each simulation solved by Diffrax's
-`Tsit5` (the problem's tolerances, steps that end at the measurement times) with the
-stiffness test of Hairer's DOPRI5 (Hairer & Wanner, *Solving ODEs II*, §IV.2): `h ρ`,
-with `ρ = |f(t + h, y₁) - f(t + h, y₆)| / |y₁ - y₆|` from the step's last two stages
-(both at `t + h`), an estimate of the largest eigenvalue along the step; a step is
-stiff where `h ρ > 3.25` (the stability boundary on the negative real axis), and the
-solve stops at `--limit` (15) stiff steps with no run of 6 others between. Printed:
-the species, the simulations, whether every explicit solve finished (no: the test
-fired, or the solve failed), its steps (accepted and rejected, summed), `BDF`'s
-attempts, their ratio, and `nll`'s time with each (`BDF` alone, and with `Tsit5`,
-which is `inf` where a solve stops), interleaved in one process, medians.
+For each problem, at the nominal parameters, each simulation solved by
+`explicit_solve` (Tsitouras's 5(4) pair, the problem's tolerances, steps that end at
+the measurement times) with the stiffness test of Hairer's DOPRI5 (Hairer & Wanner,
+*Solving ODEs II*, §IV.2): `h ρ`, with `ρ = |f(t + h, y₁) - f(t + h, y₆)| / |y₁ - y₆|`
+from the step's last two stages (both at `t + h`), an estimate of the largest
+eigenvalue along the step; a step is stiff where `h ρ > 3.25` (the stability boundary
+on the negative real axis), and the solve stops at `--limit` (15) stiff steps with no
+run of 6 others between. Printed: the species, the simulations, whether every explicit
+solve finished (no: the test fired, or the solve failed), its steps (accepted and
+rejected, summed), `BDF`'s attempts, their ratio, and `nll`'s time with each (`BDF`
+alone, and explicitly, which is `inf` where a solve stops), interleaved in one
+process, medians.
 
     python benchmarks/bench_petab_stiffness.py            # those below 20 species
     python benchmarks/bench_petab_stiffness.py --problems Borghans_BiophysChem1997
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import sciflat
-from sciflat._petab.explicit import StiffnessTested
+from sciflat._petab.explicit import explicit_solve
 
 
 jax.config.update("jax_enable_x64", True)
@@ -36,14 +37,23 @@ jax.config.update("jax_enable_x64", True)
 _SHARED = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "petab"
 
 
-def _explicit(objective: Any, limit: int, constants: Any, x0: Any) -> Any:
-    """One simulation by `StiffnessTested`, as `BDF(explicit_first=True)` tries it
+def _explicit(objective: Any, limit: int, constants: Any, x0: Any, need: Any) -> Any:
+    """One simulation by `explicit_solve`, as `BDF(explicit_first=True)` tries it
     but with the problem's `max_steps` (100,000) for its budget, to see how far it
     goes: its solution at the measurement times, whether it finished, its steps
     (accepted and rejected)."""
-    ts = objective.tables.union_times
-    solver = StiffnessTested(limit=limit)
-    return objective._diffrax_solve(solver, constants, x0, ts, objective._max_steps)
+    ts, rhs = objective.tables.union_times, objective.formulas.rhs
+    return explicit_solve(
+        rhs,
+        constants,
+        x0,
+        ts,
+        objective.rtol,
+        objective.atol,
+        objective._max_steps,
+        need,
+        limit=limit,
+    )
 
 
 def _bdf_attempts(objective: Any, constants: Any, x0: Any) -> int:
@@ -60,8 +70,8 @@ def _bdf_attempts(objective: Any, constants: Any, x0: Any) -> int:
 
 def main(problems: list[pathlib.Path], limit: int, repeats: int, every: bool) -> None:
     print(
-        "| problem | species | simulations | `Tsit5` finished | `Tsit5` steps | "
-        "`BDF` attempts | ratio | `nll`, ms: `BDF` / `Tsit5` |"
+        "| problem | species | simulations | explicit finished | explicit steps | "
+        "`BDF` attempts | ratio | `nll`, ms: `BDF` / explicit |"
     )
     print("|---|---:|---:|---|---:|---:|---:|---|")
     for yaml in problems:
@@ -70,20 +80,21 @@ def main(problems: list[pathlib.Path], limit: int, repeats: int, every: bool) ->
         constants, x0 = objective.initial(objective.ext(problem.nominal))
         if not every and x0.shape[1] >= 20:
             continue
-        one = lambda k, x, objective=objective: _explicit(objective, limit, k, x)
-        _, ok, steps = jax.jit(jax.vmap(one))(constants, x0)
+        need = jnp.asarray(objective._sims.need, jnp.int32)
+        one = lambda k, x, m, objective=objective: _explicit(objective, limit, k, x, m)
+        _, ok, steps = jax.jit(jax.vmap(one))(constants, x0, need)
         finished, steps = bool(np.all(ok)), int(np.sum(steps))
         attempts = _bdf_attempts(objective, constants, x0)
 
         # A problem of its own (its `nll` compiled apart), its simulations explicit.
         explicit = sciflat.petab_problem(yaml)
 
-        def solve(ext, objective=explicit._objective, one=one):
-            ys, ok, _ = jax.vmap(one)(*objective.initial(ext))
+        def solve(ext, objective=explicit._objective, one=one, need=need):
+            ys, ok, _ = jax.vmap(one)(*objective.initial(ext), need)
             return ys, jnp.all(ok)
 
         explicit._objective.solve_simulations = solve
-        fns = {"bdf": jax.jit(problem.nll), "tsit5": jax.jit(explicit.nll)}
+        fns = {"bdf": jax.jit(problem.nll), "explicit": jax.jit(explicit.nll)}
         for fn in fns.values():
             jax.block_until_ready(fn(problem.nominal))
         times: dict[str, list[float]] = {k: [] for k in fns}
@@ -96,7 +107,7 @@ def main(problems: list[pathlib.Path], limit: int, repeats: int, every: bool) ->
         print(
             f"| {yaml.parent.name} | {x0.shape[1]} | {x0.shape[0]} | "
             f"{'yes' if finished else 'no'} | {steps:,} | {attempts:,} | "
-            f"{steps / attempts:.2f} | {ms['bdf']:.2f} / {ms['tsit5']:.2f} |",
+            f"{steps / attempts:.2f} | {ms['bdf']:.2f} / {ms['explicit']:.2f} |",
             flush=True,
         )
 

@@ -1,7 +1,7 @@
 """`BDF`'s `explicit_first`: the solves of a value tried first by an explicit method
-with a stiffness test (`sciflat._petab.explicit.StiffnessTested`), by BDF where it
+with a stiffness test (`sciflat._petab.explicit.explicit_solve`), by BDF where it
 stops; chosen per problem at its nominal parameters by default; the derivatives
-BDF's either way."""
+BDF's either way. And the explicit solve itself, against closed forms and Diffrax."""
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import sciflat
-from sciflat._petab.explicit import EXPLICIT_SHARE, StiffnessTested, explicit_budget
+from sciflat._petab.explicit import EXPLICIT_SHARE, explicit_budget, explicit_solve
 
 
 pytest.importorskip("libsbml")  # the `petab` extra (in `test`): always there
@@ -45,7 +45,6 @@ def problems(tmp_path_factory):
         "auto": read(sciflat.BDF()),
         "first": read(sciflat.BDF(explicit_first=True)),
         "bdf": read(sciflat.BDF(explicit_first=False)),
-        "tsit5": read(StiffnessTested()),
         "auto, stiff": read(sciflat.BDF(), stiff),
     }
 
@@ -67,10 +66,12 @@ def _finished(problem, model):
 def test_a_model_that_is_not_stiff_is_solved_by_the_explicit_method(problems):
     first = problems["auto"]
     model = first.nominal
-    # The explicit solve's value, to the bit (so it finished), and the closed
-    # form's within the tolerances; BDF's is another solve's.
+    # The explicit solve's value (with the budget given, to the bit: it finished
+    # within both budgets), and the closed form's within the tolerances; BDF's is
+    # another solve's.
     value = first.nll(model)
-    assert value == problems["tsit5"].nll(model)
+    assert _finished(first, model).all()
+    assert value == problems["first"].nll(model)
     assert value != problems["bdf"].nll(model)
     p, _ = sciflat.destructure(model, dtype=jnp.float64)
     np.testing.assert_allclose(value, small_nll_of_p(p), rtol=1e-9)
@@ -193,3 +194,113 @@ def test_under_vmap_the_values_are_bdfs(problems):
     np.testing.assert_allclose(batched, jax.vmap(small_nll_of_p)(ps), rtol=1e-8)
     # One at a time, the explicit solve's where it finishes.
     assert auto.nll(re(ps[0])) != batched[0]
+
+
+#
+# The explicit solve itself.
+#
+
+# Two species decaying at rates k[0] and k[1]: y(t) = y0 exp(-k t).
+_decay = lambda t, y, k: -k * y
+_TIMES = np.array([0.0, 0.0, 0.5, 1.0, 2.5, 4.0])
+
+
+def _solve(k, y0=(1.0, 2.0), ts=_TIMES, **kw):
+    options = dict(rtol=1e-10, atol=1e-12, most=10_000) | kw
+    dtype = kw.pop("dtype", jnp.float64)
+    options.pop("dtype", None)
+    return jax.jit(
+        lambda k, y0: explicit_solve(_decay, k, y0, ts, **options)  # pyright: ignore[reportArgumentType]
+    )(jnp.asarray(k, dtype), jnp.asarray(y0, dtype))
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    log10_k=st.lists(st.floats(-2.0, 0.5), min_size=2, max_size=2),
+    rtol=st.sampled_from([1e-6, 1e-8, 1e-10]),
+)
+def test_the_explicit_solve_is_the_closed_form_within_its_tolerance(log10_k, rtol):
+    k = 10.0 ** np.asarray(log10_k)
+    ys, ok, steps = _solve(k, rtol=rtol, atol=rtol * 1e-2)
+    assert ok and 0 < steps < 10_000
+    exact = np.array([1.0, 2.0]) * np.exp(-np.outer(_TIMES, k))
+    # Each step's error is kept to the tolerance; the global error a few times it.
+    np.testing.assert_allclose(ys, exact, rtol=30 * rtol, atol=rtol * 1e-2)
+    # The times 0 are the initial state, exactly.
+    np.testing.assert_array_equal(ys[:2], exact[:2])
+
+
+def test_the_explicit_solve_agrees_with_diffrax_on_a_nonlinear_model():
+    import diffrax
+
+    # Lotka-Volterra: no closed form; Diffrax's Tsit5 at a much tighter tolerance.
+    def lotka(t, y, k):
+        return jnp.stack(
+            [k[0] * y[0] - k[1] * y[0] * y[1], k[1] * y[0] * y[1] - k[2] * y[1]]
+        )
+
+    k, y0, ts = jnp.array([1.1, 0.4, 0.9]), jnp.array([2.0, 1.5]), np.linspace(0, 12, 7)
+    ys, ok, _ = explicit_solve(lotka, k, y0, ts, 1e-9, 1e-11, 10_000)
+    reference = diffrax.diffeqsolve(
+        diffrax.ODETerm(lambda t, y, k: lotka(t, y, k)),
+        diffrax.Tsit5(),
+        0.0,
+        12.0,
+        None,
+        y0,
+        args=k,
+        saveat=diffrax.SaveAt(ts=jnp.asarray(ts)),
+        stepsize_controller=diffrax.PIDController(rtol=1e-13, atol=1e-15),
+        max_steps=100_000,
+    ).ys
+    assert ok
+    np.testing.assert_allclose(ys, reference, rtol=1e-7)
+
+
+def test_the_explicit_solve_stops_where_the_problem_is_stiff():
+    # A rate of 1e4 over t in [0, 4]: stable explicit steps are below 3.3e-4, the
+    # tolerance's steps far longer once the fast mode has decayed.
+    k = [1e4, 1.0]
+    ys, ok, steps = _solve(k, rtol=1e-6, atol=1e-8)
+    assert not ok and steps < 200  # stopped by the test, early
+    # Without the test it finishes, in many steps, the closed form's.
+    ys, ok, many = _solve(k, rtol=1e-6, atol=1e-8, limit=10**9, most=100_000)
+    assert ok and many > 10 * steps
+    np.testing.assert_allclose(ys[:, 1], 2.0 * np.exp(-_TIMES), rtol=1e-4)
+
+
+def test_the_explicit_solve_stops_at_its_budget_and_after_rejections():
+    _, ok, steps = _solve([0.3, 1.0], most=5)
+    assert not ok and steps == 5
+    # NaN rates (a parameter outside the model's domain): every step rejected, and
+    # 30 in a row end the solve; the times 0 are still the initial state.
+    nan_rates = lambda t, y, k: -k * y * jnp.nan
+    ys, ok, steps = explicit_solve(
+        nan_rates,
+        jnp.array([0.3, 1.0]),
+        jnp.array([1.0, 2.0]),
+        _TIMES,
+        1e-8,
+        1e-10,
+        10_000,
+    )
+    assert not ok and steps == 30
+    np.testing.assert_array_equal(ys[:2], [[1.0, 2.0], [1.0, 2.0]])
+
+
+def test_the_explicit_solve_stops_at_need_and_leaves_zeros_after():
+    ys, ok, steps = _solve([0.3, 1.0], need=3)
+    _, _, all_steps = _solve([0.3, 1.0])
+    assert ok and steps < all_steps
+    np.testing.assert_array_equal(ys[3:], 0.0)
+    np.testing.assert_allclose(ys[2], [np.exp(-0.15), 2 * np.exp(-0.5)], rtol=1e-9)
+
+
+def test_the_explicit_solve_computes_in_the_states_dtype():
+    ys, ok, _ = _solve([0.3, 1.0], rtol=1e-5, atol=1e-7, dtype=jnp.float32)
+    assert ok and ys.dtype == jnp.float32
+    # Every floating operation in float32 (the auditor of sciflat's dtype rule).
+    solve = lambda y, k: explicit_solve(_decay, k, y, _TIMES, 1e-5, 1e-7, 100)[0]
+    y, k = jnp.ones(2, jnp.float32), jnp.ones(2, jnp.float32)
+    report = sciflat.audit_dtypes(solve, y, k, grad=False)
+    assert not report.findings, str(report)

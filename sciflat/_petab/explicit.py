@@ -1,31 +1,49 @@
-"""An explicit method that stops where the problem is stiff: Diffrax's `Tsit5` with the
-stiffness test of Hairer's DOPRI5 (Hairer & Wanner, *Solving ODEs II*, §IV.2).
+"""An explicit Runge-Kutta solve that stops where the problem is stiff: Tsitouras's
+5(4) pair (Diffrax's `Tsit5` tableau) in a loop of its own, with the stiffness test of
+Hairer's DOPRI5 (Hairer & Wanner, *Solving ODEs II*, §IV.2).
 
 An explicit method's step is bounded by its stability where the problem is stiff,
 not by its accuracy: it then takes many more steps than an implicit one, or fails.
 The test estimates the largest eigenvalue along a step from its last two stages, both
-at `t + h`: `ρ = |f(t + h, y₁) - f(t + h, y₆)| / |y₁ - y₆|`. A step is stiff where
-`h ρ > 3.25` (about where `Tsit5`'s stability region meets the negative real axis);
-after `limit` stiff steps with no run of 6 others between them, the step fails and the
-solve stops (its result `max_steps_reached`), so that the caller can solve with a
-stiff method instead (`BDF`'s `explicit_first`), and `explicit_budget` says whether
-a problem's simulations are worth trying so, from one solve by each method.
+at `t + h`: `ρ = |f(t + h, y₁) - f(t + h, y₆)| / |y₁ - y₆|`. An accepted step is
+stiff where `h ρ > 3.25` (about where the method's stability region meets the
+negative real axis); after `limit` stiff steps with no run of 6 others between them
+the solve stops, unfinished, so that the caller can solve with a stiff method instead
+(`BDF`'s `explicit_first`), and `explicit_budget` says whether a problem's
+simulations are worth trying so, from one solve by each method.
+
+The loop is what the PEtab objective's values need and nothing more: no dense
+output, no derivatives (they are `BDF`'s), steps that end at the measurement times
+(the solution there is the step's own, 5th order), the solution written as each is
+reached. Diffrax's `diffeqsolve` with `Tsit5` does the same solve in a general
+program (interpolation, saving and event machinery in every step) that costs about
+twice the compilation and more per step.
 """
 
+from collections.abc import Callable
 from typing import Any
 
 import diffrax
+import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy.typing as npt
 
 
 _TABLEAU = diffrax.Tsit5.tableau
-# `y₁ - y₆` as a combination of the stages `k_j = h f_j` (seven, the last at `y₁`).
-_Y1_MINUS_Y6 = np.asarray(_TABLEAU.b_sol) - np.pad(
-    np.asarray(_TABLEAU.a_lower[4]), (0, 2)
-)
+# The stages' times (after the first, at t) and weights, a row a stage (the 7th, at
+# `t + h`, is `y₁`'s, so its row is the solution's weights), and the error estimate's.
+_C = np.asarray(_TABLEAU.c)
+_A = np.stack([np.pad(np.asarray(row), (0, 6 - len(row))) for row in _TABLEAU.a_lower])
+_B_ERROR = np.asarray(_TABLEAU.b_error)
+# `(y₁ - y₆) / h` as a combination of the stages `f_j` (seven, the last at `y₁`).
+_W = np.asarray(_TABLEAU.b_sol) - np.pad(np.asarray(_TABLEAU.a_lower[4]), (0, 2))
 _STIFF_H_RHO = 3.25
 _CALM_RUN = 6
+# Hairer's DOPRI5: the stiff steps that stop the solve.
+STIFF_LIMIT = 15
+# Rejected steps in a row that end a solve (`RejectionLimit`'s `max_rejected`).
+_MAX_REJECTED = 30
 
 # The problems whose simulations `BDF(explicit_first=None)` tries explicitly: fewer
 # species than this (the collection's four models of 20 species or more are stiff,
@@ -51,36 +69,123 @@ def explicit_budget(steps: np.ndarray, attempts: np.ndarray, most: int) -> int |
     return int(min(most, np.max(attempts)))
 
 
-class StiffnessTested(diffrax.Tsit5):
-    """`diffrax.Tsit5` whose step fails once `limit` stiff steps came with no run of
-    6 others between them.
+def explicit_solve(
+    rhs: Callable[[Any, Any, Any], Any],
+    constants: jax.Array,
+    y0: jax.Array,
+    ts: npt.NDArray[np.float64],
+    rtol: float,
+    atol: float,
+    most: int,
+    need: jax.Array | int | None = None,
+    limit: int = STIFF_LIMIT,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Solves `dy/dt = rhs(t, y, constants)` from `t = 0` (one simulation:
+    `constants` `(k,)`, `y0` `(n,)`) to `ts[need - 1]` (`ts` sorted, `>= 0`; `need`
+    by default all of them), in `y0`'s dtype. Returns the solution at `ts`
+    `(T, n)` (0 after `need`, as `bdf_solve`'s), whether the solve finished, and
+    its steps (accepted and rejected). It has not finished where `limit` stiff
+    steps came with no run of 6 others between them, where `most` steps did not
+    reach the end, or where 30 steps in a row were rejected (a blow-up, NaN rates:
+    `RejectionLimit`'s rule).
 
-    **Fields:**
+    Each step's error is estimated by the embedded 4th-order solution and kept
+    within `atol + rtol * max(|y|, |y₁|)` in the root mean square (Diffrax's
+    `PIDController` norm); the next step is `0.9 err^(-1/5)` times this one, 0.2 to
+    10 times (at most 1 after a rejection). A step is cut to end at the next
+    measurement time; where it did, the next starts from the step before the cut
+    (or from the controller's proposal, where it is larger)."""
+    dtype = y0.dtype
+    ts_j = jnp.asarray(ts, dtype)
+    n_out = len(ts)
+    need = jnp.asarray(n_out if need is None else need, jnp.int32)
+    rtol_, atol_ = jnp.asarray(rtol, dtype), jnp.asarray(atol, dtype)
+    c, a, b_error, w = (jnp.asarray(v, dtype) for v in (_C, _A, _B_ERROR, _W))
+    f = lambda t, y: rhs(t, y, constants)
+    rms = lambda v: jnp.sqrt(jnp.mean(v**2))
 
-    - `limit`: the stiff steps that stop the solve (Hairer's DOPRI5: 15).
-    """
+    # The first step: Hairer's rule (Diffrax's for `dt0=None`), error order 5.
+    f0 = f(jnp.zeros((), dtype), y0)
+    scale = atol_ + rtol_ * jnp.abs(y0)
+    d0, d1 = rms(y0 / scale), rms(f0 / scale)
+    small = (d0 < 1e-5) | (d1 < 1e-5)
+    h0 = jnp.where(small, 1e-6, 0.01 * d0 / jnp.where(small, 1.0, d1))
+    d2 = rms((f(h0, y0 + h0 * f0) - f0) / scale) / h0
+    most_d = jnp.maximum(d1, d2)
+    h1 = jnp.where(
+        most_d <= 1e-15, jnp.maximum(1e-6, 1e-3 * h0), (0.01 / most_d) ** 0.2
+    )
+    h_first = jnp.minimum(100 * h0, h1)
 
-    limit: int = 15
+    # The solution at the times 0 is y0; the loop starts at the first later one.
+    at_zero = ts_j <= 0
+    ys = jnp.where(at_zero[:, None] & (jnp.arange(n_out) < need)[:, None], y0, 0)
+    first_out = jnp.asarray(int(np.sum(np.asarray(ts) <= 0)), jnp.int32)
+    zero = jnp.zeros((), jnp.int32)
+    state = dict(
+        t=jnp.zeros((), dtype),
+        y=y0,
+        f=f0,
+        h=h_first,
+        out=first_out,
+        ys=ys,
+        steps=zero,
+        rejected=zero,
+        stiff=zero,
+        calm=zero,
+    )
 
-    # The solver's state is `Tsit5`'s and the two counters: `(inner, stiff, calm)`.
-    def init(self, terms, t0, t1, y0, args):  # pyright: ignore[reportIncompatibleMethodOverride]
-        zero = jnp.zeros((), jnp.int32)
-        return super().init(terms, t0, t1, y0, args), zero, zero
+    def going(s: dict) -> jax.Array:
+        stuck = (s["rejected"] >= _MAX_REJECTED) | (s["stiff"] >= limit)
+        return (s["out"] < need) & (s["steps"] < most) & ~stuck
 
-    def step(self, terms, t0, t1, y0, args, solver_state: Any, made_jump):  # pyright: ignore[reportIncompatibleMethodOverride]
-        inner, stiff, calm = solver_state
-        y1, error, dense, inner, result = super().step(
-            terms, t0, t1, y0, args, inner, made_jump
-        )
-        k = dense["k"]
-        w = jnp.asarray(_Y1_MINUS_Y6, k.dtype)
-        num = jnp.sum((k[6] - k[5]) ** 2)
-        den = jnp.sum(sum(w[j] * k[j] for j in range(7)) ** 2)
+    def step(s: dict) -> dict:
+        t, y, out = s["t"], s["y"], s["out"]
+        t_out = ts_j[jnp.minimum(out, n_out - 1)]
+        cut = s["h"] >= t_out - t
+        t1 = jnp.where(cut, t_out, t + s["h"])
+        h = t1 - t
+        ks, yi = [s["f"]], y
+        for i in range(6):  # the 7th stage is at y1 (first same as last)
+            yi = y + h * sum(a[i, j] * ks[j] for j in range(i + 1))
+            ks.append(f(t + c[i] * h, yi))
+        y1 = yi
+        error = h * sum(b_error[j] * ks[j] for j in range(7))
+        ratio = rms(error / (atol_ + rtol_ * jnp.maximum(jnp.abs(y), jnp.abs(y1))))
+        ok = ratio <= 1  # False where NaN
+        factor = 0.9 * jnp.where(ratio > 0, ratio, 1e-10) ** -0.2
+        factor = jnp.clip(factor, 0.2, jnp.where(ok, 10.0, 1.0))
+        factor = jnp.where(jnp.isfinite(ratio), factor, 0.2)
+        h_next = jnp.where(ok & cut, jnp.maximum(h * factor, s["h"]), h * factor)
+        # Hairer's test on accepted steps: h ρ = |f₇ - f₆| / |Σ w_j f_j|.
+        num = jnp.sum((ks[6] - ks[5]) ** 2)
+        den = jnp.sum(sum(w[j] * ks[j] for j in range(7)) ** 2)
         is_stiff = num > _STIFF_H_RHO**2 * den
         stiff = jnp.where(
-            is_stiff, stiff + 1, jnp.where(calm + 1 >= _CALM_RUN, 0, stiff)
+            is_stiff,
+            s["stiff"] + 1,
+            jnp.where(s["calm"] + 1 >= _CALM_RUN, 0, s["stiff"]),
         )
-        calm = jnp.where(is_stiff, 0, calm + 1)
-        stop = diffrax.RESULTS.max_steps_reached
-        result = diffrax.RESULTS.where(stiff >= self.limit, stop, result)
-        return y1, error, dense, (inner, stiff, calm), result
+        calm = jnp.where(is_stiff, 0, s["calm"] + 1)
+        reached = ok & cut
+        ys = (
+            s["ys"]
+            .at[jnp.minimum(out, n_out - 1)]
+            .set(jnp.where(reached, y1, s["ys"][jnp.minimum(out, n_out - 1)]))
+        )
+        keep = lambda new, old: jnp.where(ok, new, old)
+        return dict(
+            t=keep(t1, t),
+            y=keep(y1, y),
+            f=keep(ks[6], s["f"]),
+            h=h_next,
+            out=out + reached.astype(jnp.int32),
+            ys=ys,
+            steps=s["steps"] + 1,
+            rejected=jnp.where(ok, 0, s["rejected"] + 1),
+            stiff=keep(stiff, s["stiff"]),
+            calm=keep(calm, s["calm"]),
+        )
+
+    s = jax.lax.while_loop(going, step, state)
+    return s["ys"], s["out"] >= need, s["steps"]

@@ -36,7 +36,7 @@ except ImportError:  # pragma: no cover (the `petab` extra installs them)
 
 from .bdf import ADJOINT_TIGHTER, BDF, bdf_adjoint, bdf_solve
 from .controller import RejectionLimit
-from .explicit import EXPLICIT_BELOW_STATES, StiffnessTested, explicit_budget
+from .explicit import EXPLICIT_BELOW_STATES, explicit_budget, explicit_solve
 
 
 # From this many species on, `BDF` solves the conditions in turn (`nll`'s a few at a
@@ -572,7 +572,7 @@ class Objective:
         self, ext: Array, explicit: bool = True
     ) -> tuple[Array, Array]:
         """Every simulation at the union of the measurement times: `(S, T, n)`.
-        `explicit`: tried first by `StiffnessTested` where `_explicit_budget` says
+        `explicit`: tried first by `explicit_solve` where `_explicit_budget` says
         so (`False`: `BDF` alone)."""
         ts = self.tables.union_times
         if len(self._sims.first) == 1 and not isinstance(self._solver, BDF):
@@ -604,7 +604,7 @@ class Objective:
     @ft.cached_property
     def _explicit_budget(self) -> int | None:
         """The explicit solve's most steps a simulation where the value's solves are
-        tried by `StiffnessTested` first (`BDF`'s `explicit_first`), None where
+        tried by `explicit_solve` first (`BDF`'s `explicit_first`), None where
         `BDF` solves them alone. Chosen once, at the first solve (`explicit_first=
         None`): by a solve with each method at the nominal parameters
         (`explicit_budget`), computed then even inside a trace."""
@@ -641,7 +641,7 @@ class Objective:
     def _explicit_first(
         self, constants: Array, x0: Array, budget: int
     ) -> tuple[Array, Array]:
-        """The simulations `(S, k)`, `(S, n)` by `StiffnessTested` with `budget`
+        """The simulations `(S, k)`, `(S, n)` by `explicit_solve` with `budget`
         steps each, or all by `BDF` where one of them does not finish (`lax.cond`:
         `BDF`'s results to the bit there). Under `jax.vmap` (a batch of parameter
         sets: `sciflat.fit`'s or `least_squares(method="device")`'s starts) by
@@ -665,16 +665,19 @@ class Objective:
     def _explicit_all(
         self, constants: Array, x0: Array, most: int
     ) -> tuple[Array, Array, Array]:
-        """The simulations `(S, k)`, `(S, n)` by `StiffnessTested`, at most `most`
-        steps each: `(S, T, n)` at the measurement times, `(S,)` whether each
-        finished (not stopped by the stiffness test, not failed), and `(S,)` its
-        steps (accepted and rejected)."""
-        ts = self.tables.union_times
-        one = lambda k, x: self._diffrax_solve(StiffnessTested(), k, x, ts, most)
-        if len(x0) == 1:  # not vmapped: a vmapped step's conditionals are selects
-            ys, ok, steps = one(constants[0], x0[0])
+        """The simulations `(S, k)`, `(S, n)` by `explicit_solve`, at most `most`
+        steps each, each to its last measurement: `(S, T, n)` at the measurement
+        times, `(S,)` whether each finished (not stopped by the stiffness test, not
+        failed), and `(S,)` its steps (accepted and rejected)."""
+        ts, rhs = self.tables.union_times, self.formulas.rhs
+        one = lambda k, x, m: explicit_solve(
+            rhs, k, x, ts, self.rtol, self.atol, most, m
+        )
+        need = jnp.asarray(self._sims.need, jnp.int32)
+        if len(x0) == 1:  # not vmapped: a vmapped loop's conditionals are selects
+            ys, ok, steps = one(constants[0], x0[0], need[0])
             return ys[None], ok[None], steps[None]
-        return jax.vmap(one)(constants, x0)
+        return jax.vmap(one)(constants, x0, need)
 
     def _diffrax_solve(
         self,
