@@ -435,12 +435,16 @@ def adjoint_small(tmp_path_factory):
     once for the tests that compare other ways with it. That gradient's program
     keeps the rows of 8 attempts at a time (its solves take dozens: the adjoint runs
     the earlier segments again from their starts) and takes one condition at a
-    time; the problem's own programs, compiled later, are the defaults."""
+    time; the problem's own programs, compiled later, are the defaults. (The values
+    by `BDF` too, `explicit_first=False`: the derivatives are its whichever method
+    solves them, and the explicit method's tests are test_petab_explicit.py's.)"""
     from sciflat._petab import bdf, objective
 
     folder = tmp_path_factory.mktemp("adjoint") / "small"
     path = small_problem(folder, measurements=NORMAL_MEASUREMENTS)
-    solver = sciflat.BDF(control_sensitivities=False, adjoint=True)
+    solver = sciflat.BDF(
+        control_sensitivities=False, adjoint=True, explicit_first=False
+    )
     problem = sciflat.petab_problem(path, rtol=1e-9, atol=1e-11, solver=solver)
     p, re = sciflat.destructure(problem.nominal, dtype=jnp.float64)
     with pytest.MonkeyPatch.context() as patch:
@@ -465,7 +469,9 @@ def test_the_adjoint_gradient_is_the_forward_gradient_along_the_same_steps(
         path,
         rtol=1e-9,
         atol=1e-11,
-        solver=sciflat.BDF(control_sensitivities=False, adjoint=False),
+        solver=sciflat.BDF(
+            control_sensitivities=False, adjoint=False, explicit_first=False
+        ),
     )
     problems = {True: adjoint, False: forward}
     forward_vg = jax.jit(jax.value_and_grad(lambda x: forward.nll(re(x))))
@@ -516,6 +522,7 @@ def test_conditions_that_are_one_simulation_are_solved_once(tmp_path, monkeypatc
     # the two are one simulation, solved once, its trajectory read for both. The
     # value and the gradient (the adjoint) are the closed form's, and the residuals'
     # Jacobian (forward sensitivities) that of every condition solved on its own.
+    # (The values by `BDF` too: the simulations are the subject, not the method.)
     from sciflat._petab import objective
 
     measurements = [
@@ -526,7 +533,7 @@ def test_conditions_that_are_one_simulation_are_solved_once(tmp_path, monkeypatc
     ]
     conditions = {"low": {"a0": 1.0}, "high": {"a0": 2.0}, "again": {"a0": "1"}}
     path = small_problem(tmp_path / "p", measurements, conditions=conditions)
-    solver = sciflat.BDF(adjoint=True)
+    solver = sciflat.BDF(adjoint=True, explicit_first=False)
     once = sciflat.petab_problem(path, rtol=1e-10, atol=1e-12, solver=solver)
     assert once.conditions == ("low", "high", "again")
     assert once.parameter_ids == ("k", "scale", "sd")
