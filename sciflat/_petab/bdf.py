@@ -169,14 +169,15 @@ class BDF:
       read `ADJOINT_FROM_DIRECTIONS` (12) parameters or more; `True`: always;
       `False`: never.
     - `explicit_first`: whether the solves of a value (`nll`, `llh`, `residuals`;
-      not `simulate`'s) are tried first by an explicit method,
-      Diffrax's `Tsit5` with Hairer's stiffness test, and solved by this BDF method
+      not `simulate`'s) are tried first by an explicit method (Tsitouras's 5(4)
+      pair, Diffrax's `Tsit5` tableau, in a loop of sciflat's own that computes
+      only the values) with Hairer's stiffness test, and solved by this BDF method
       where the test stops it, its budget of steps runs out, or it fails (all the
       simulations of the call by BDF then, its results as without the option;
       under `jax.vmap` over parameter sets, BDF alone). An
       explicit step costs a few evaluations of the vector field and no matrix: on a
       model that is not stiff it solves in a third of BDF's steps (Crauste et al.
-      2017's llh in 0.4 of BDF's time). Derivatives are BDF's whatever solves the
+      2017's llh in 0.26 of BDF's time). Derivatives are BDF's whatever solves the
       value (the sensitivities' errors controlled as `control_sensitivities` says,
       or the adjoint). `None` (the default): chosen once per problem, at its first
       solve, at the nominal parameters: tried first where the model has fewer than
@@ -186,10 +187,10 @@ class BDF:
       `explicit_max_steps`); so a stiff region met in a fit costs explicit steps
       only until the test or that budget stops them. `True`: always, with
       `explicit_max_steps` (a stiff model pays its explicit steps each call: Boehm
-      et al. 2014 1.1 times BDF's time, Elowitz et al. 2000, where the test does
-      not fire, 14 times). `False`: never.
+      et al. 2014 about BDF's time, Elowitz et al. 2000, where the test fires only
+      after the budget, 10 times). `False`: never.
     - `explicit_max_steps`: the explicit solve's most steps, accepted and rejected
-      (Crauste et al. 2017 takes 312, Borghans et al. 1997 1,179).
+      (Crauste et al. 2017 takes 300, Borghans et al. 1997 1,144).
     """
 
     max_order: int = 5

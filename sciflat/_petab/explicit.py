@@ -49,17 +49,16 @@ _MAX_REJECTED = 30
 # species than this (the collection's four models of 20 species or more are stiff,
 # and a probe of theirs would cost seconds of compilation for nothing) ...
 EXPLICIT_BELOW_STATES = 20
-# ... and explicit solves that finish in at most this share of `BDF`'s attempts (an
-# explicit step costs one to two and a half of `BDF`'s attempts, Crauste et al.
-# 2017's and Borghans et al. 1997's: the five models of the collection that are not
-# stiff take 0.31-0.35 of the attempts; Armistead et al. 2024, whose explicit solve
-# finishes, 2.9).
+# ... and explicit solves that finish in at most this share of `BDF`'s attempts (the
+# nine models of the collection that are not stiff take 0.29-0.40 of the attempts;
+# Armistead et al. 2024, whose explicit solve finishes, 2.45, and there the explicit
+# `nll` about as long as `BDF`'s).
 EXPLICIT_SHARE = 0.5
 
 
 def explicit_budget(steps: np.ndarray, attempts: np.ndarray, most: int) -> int | None:
     """The explicit solve's budget of steps for a problem whose simulations, at its
-    nominal parameters, `StiffnessTested` solved in `steps` and `BDF` in `attempts`
+    nominal parameters, `explicit_solve` solved in `steps` and `BDF` in `attempts`
     (each simulation's, accepted and rejected), or None where they are not worth
     trying explicitly (more than `EXPLICIT_SHARE` of `BDF`'s attempts). The budget
     is `BDF`'s attempts on its longest simulation (at most `most`): where a fit's
