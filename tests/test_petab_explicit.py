@@ -205,13 +205,11 @@ _decay = lambda t, y, k: -k * y
 _TIMES = np.array([0.0, 0.0, 0.5, 1.0, 2.5, 4.0])
 
 
-def _solve(k, y0=(1.0, 2.0), ts=_TIMES, **kw):
-    options = dict(rtol=1e-10, atol=1e-12, most=10_000) | kw
-    dtype = kw.pop("dtype", jnp.float64)
-    options.pop("dtype", None)
-    return jax.jit(
-        lambda k, y0: explicit_solve(_decay, k, y0, ts, **options)  # pyright: ignore[reportArgumentType]
-    )(jnp.asarray(k, dtype), jnp.asarray(y0, dtype))
+def _solve(k, y0=(1.0, 2.0), dtype=jnp.float64, **options):
+    """`explicit_solve` of the decay at `_TIMES`, jitted, tight by default."""
+    options = dict(rtol=1e-10, atol=1e-12, most=10_000) | options
+    solve = lambda k, y0: explicit_solve(_decay, k, y0, _TIMES, **options)
+    return jax.jit(solve)(jnp.asarray(k, dtype), jnp.asarray(y0, dtype))
 
 
 @settings(max_examples=15, deadline=None)
