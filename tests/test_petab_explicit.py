@@ -240,7 +240,7 @@ def test_the_explicit_solve_agrees_with_diffrax_on_a_nonlinear_model():
     k, y0, ts = jnp.array([1.1, 0.4, 0.9]), jnp.array([2.0, 1.5]), np.linspace(0, 12, 7)
     ys, ok, _ = explicit_solve(lotka, k, y0, ts, 1e-9, 1e-11, 10_000)
     reference = diffrax.diffeqsolve(
-        diffrax.ODETerm(lambda t, y, k: lotka(t, y, k)),
+        diffrax.ODETerm(lotka),
         diffrax.Tsit5(),
         0.0,
         12.0,

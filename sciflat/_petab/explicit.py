@@ -16,8 +16,9 @@ The loop is what the PEtab objective's values need and nothing more: no dense
 output, no derivatives (they are `BDF`'s), steps that end at the measurement times
 (the solution there is the step's own, 5th order), the solution written as each is
 reached. Diffrax's `diffeqsolve` with `Tsit5` does the same solve in a general
-program (interpolation, saving and event machinery in every step) that costs about
-twice the compilation and more per step.
+program (interpolation, saving and event machinery in every step): Crauste et al.
+2017's probe traced and compiled in 1.9 s that way against 0.5 s so, and its llh
+took 0.38 of `BDF`'s time against 0.26 so.
 """
 
 from collections.abc import Callable
@@ -140,7 +141,8 @@ def explicit_solve(
 
     def step(s: dict) -> dict:
         t, y, out = s["t"], s["y"], s["out"]
-        t_out = ts_j[jnp.minimum(out, n_out - 1)]
+        slot = jnp.minimum(out, n_out - 1)  # the next measurement time's row
+        t_out = ts_j[slot]
         cut = s["h"] >= t_out - t
         t1 = jnp.where(cut, t_out, t + s["h"])
         h = t1 - t
@@ -167,11 +169,7 @@ def explicit_solve(
         )
         calm = jnp.where(is_stiff, 0, s["calm"] + 1)
         reached = ok & cut
-        ys = (
-            s["ys"]
-            .at[jnp.minimum(out, n_out - 1)]
-            .set(jnp.where(reached, y1, s["ys"][jnp.minimum(out, n_out - 1)]))
-        )
+        ys = s["ys"].at[slot].set(jnp.where(reached, y1, s["ys"][slot]))
         keep = lambda new, old: jnp.where(ok, new, old)
         return dict(
             t=keep(t1, t),
