@@ -4,6 +4,7 @@ closed form, and the Boehm et al. 2014 benchmark against AMICI's log-likelihood.
 import collections
 import math
 import pathlib
+import re
 
 import diffrax
 import jax
@@ -425,6 +426,26 @@ def test_small_gradient_matches_finite_differences_in_both_modes(small):
     # same in every mode, and `nll`'s within the solves' tolerances (1e-11 here).
     np.testing.assert_allclose(value, forward_value, rtol=1e-14)
     np.testing.assert_allclose(value, f(p), rtol=1e-9)
+
+
+@pytest.mark.slow  # compiles the small problem's value and gradient: seconds
+def test_the_default_solves_hold_no_host_callbacks(small):
+    # JAX's persistent compilation cache stores no program that holds a host
+    # callback, so a later process compiles such a program again (docs/petab.md,
+    # "Between processes"). The default solves are sciflat's own loops, without
+    # Equinox's runtime checks (callbacks, where Diffrax's solves hold them).
+    import equinox as eqx
+
+    def callbacks(fn) -> list[str]:
+        text = jax.jit(fn).lower(p).compile().as_text()
+        targets = re.findall(r'custom_call_target="([^"]*)"', text)
+        return [t for t in targets if "callback" in t]
+
+    p, rebuild = sciflat.destructure(small.nominal, dtype=jnp.float64)
+    f = lambda x: small.nll(rebuild(x))
+    assert callbacks(f) == callbacks(jax.value_and_grad(f)) == []
+    # (what the test looks for: a program with a runtime check holds one)
+    assert callbacks(lambda x: eqx.error_if(x, x[0] > 1e300, "too large"))
 
 
 @pytest.fixture(scope="module")
