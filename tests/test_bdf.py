@@ -561,7 +561,11 @@ def test_a_large_model_renews_its_jacobian_after_a_slow_newton_iteration(
     for n in (bdf._LARGE_FROM_STATES - 1, bdf._LARGE_FROM_STATES):
         f, jac, y0 = _squares(n)
         k, y = jnp.zeros((1, 0)), jnp.asarray(y0)[None]
-        ref, _ = bdf_solve(f, jac, k, y, ts, 1e-12, 1e-16, 100_000)
+        ref, _ = jax.jit(
+            lambda k, y, f=f, jac=jac: bdf_solve(
+                f, jac, k, y, ts, 1e-12, 1e-16, 100_000
+            )
+        )(k, y)
         for rule in (bdf._SLOW_NEWTON, None):
             monkeypatch.setattr(bdf, "_SLOW_NEWTON", rule or 10**6)
             ys, ok, st = jax.jit(
