@@ -436,13 +436,14 @@ def test_the_default_solves_hold_no_host_callbacks(small):
     # Equinox's runtime checks (callbacks, where Diffrax's solves hold them).
     import equinox as eqx
 
-    def callbacks(fn) -> list[str]:
+    p, rebuild = sciflat.destructure(small.nominal, dtype=jnp.float64)
+    f = lambda x: small.nll(rebuild(x))
+
+    def callbacks(fn) -> list[str]:  # the callback custom calls of `fn`'s program
         text = jax.jit(fn).lower(p).compile().as_text()
         targets = re.findall(r'custom_call_target="([^"]*)"', text)
         return [t for t in targets if "callback" in t]
 
-    p, rebuild = sciflat.destructure(small.nominal, dtype=jnp.float64)
-    f = lambda x: small.nll(rebuild(x))
     assert callbacks(f) == callbacks(jax.value_and_grad(f)) == []
     # (what the test looks for: a program with a runtime check holds one)
     assert callbacks(lambda x: eqx.error_if(x, x[0] > 1e300, "too large"))
