@@ -1,5 +1,7 @@
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 import hypothesis
@@ -24,6 +26,43 @@ def _pin_worker_to_its_core() -> None:
 
 
 _pin_worker_to_its_core()
+
+
+# XLA:CPU's older emitters for the fused kernels, in the tests' own processes: the same
+# programs (XLA's passes, and LLVM's optimiser as by default) compiled in 0.53-0.88 of
+# the time, run in 0.95-1.2 of it (benchmarks/bench_xla_emitters.py): the suite is
+# compiling, 509 s against 344 s in all. The default emitters, which users get, can
+# round the last bits of some functions differently (one ulp of tanh; a PEtab gradient
+# 2e-12 relative), so what the users' compiler gives is checked too: every docs page
+# runs with XLA's defaults (tests/test_docs.py drops the flags named by
+# `SCIFLAT_SUITE_XLA_FLAGS`), as do the children that set XLA_FLAGS of their own (the
+# neural ODE example's, the sharded fits'), and `SCIFLAT_TEST_XLA_DEFAULTS=1` runs the
+# whole suite with them (CONTRIBUTING.md). Set only where this jaxlib knows the flag
+# (an unknown one aborts the process) and the developer set no XLA_FLAGS; the workers
+# inherit it.
+SUITE_XLA_FLAGS = "--xla_cpu_use_fusion_emitters=false"
+
+
+def _suite_codegen() -> None:
+    if "XLA_FLAGS" in os.environ or os.environ.get("SCIFLAT_TEST_XLA_DEFAULTS"):
+        return
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import jax.numpy as jnp; jnp.zeros(1).block_until_ready()",
+        ],
+        env={**os.environ, "XLA_FLAGS": SUITE_XLA_FLAGS, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        timeout=120,
+    )
+    if probe.returncode == 0:
+        os.environ["XLA_FLAGS"] = os.environ["SCIFLAT_SUITE_XLA_FLAGS"] = (
+            SUITE_XLA_FLAGS
+        )
+
+
+_suite_codegen()
 
 # JAX's persistent compilation cache, fresh for each run of the suite and shared by its
 # processes (the pytest-xdist workers, the docs runner, the examples' children: they

@@ -188,6 +188,15 @@ def _same_code_as() -> dict[Path, Path]:
 SAME_CODE = _same_code_as()
 
 
+def users_environment() -> dict[str, str]:
+    """This process's environment without the XLA flags the suite compiles its own
+    programs with (tests/conftest.py): the pages compile as a reader's do."""
+    env = dict(os.environ)
+    if env.get("XLA_FLAGS") == env.pop("SCIFLAT_SUITE_XLA_FLAGS", None):
+        env.pop("XLA_FLAGS", None)
+    return env
+
+
 @pytest.fixture(scope="module")
 def page_results() -> dict[str, dict]:
     pages = [p for p in PAGES if p != ON_FOUR_DEVICES and p not in SAME_CODE]
@@ -196,6 +205,7 @@ def page_results() -> dict[str, dict]:
         capture_output=True,
         text=True,
         cwd=ROOT,
+        env=users_environment(),
         timeout=PAGE_TIMEOUT_S * len(pages) + 60,
     )
     assert proc.returncode == 0, f"the docs runner crashed:\n{proc.stderr[-3000:]}"
@@ -224,7 +234,10 @@ def test_page_code_runs(page, page_results):
 @pytest.mark.slow
 def test_scaling_page_runs_on_four_devices():
     """The data-parallel recipe of docs/scaling.md, on 4 emulated CPU devices."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env = {
+        **users_environment(),
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+    }
     proc = subprocess.run(
         [sys.executable, __file__, str(ON_FOUR_DEVICES)],
         capture_output=True,
@@ -237,6 +250,19 @@ def test_scaling_page_runs_on_four_devices():
     result = json.loads(proc.stdout)
     assert result["ok"], f"block {result.get('block')}:\n{result['error']}"
     assert "{'data': 4}" in result["output"], result["output"]
+
+
+def test_the_pages_compile_with_xlas_defaults(monkeypatch):
+    # The suite's own processes may compile with other XLA flags (tests/conftest.py);
+    # the pages' runner drops those, and keeps flags a developer set.
+    suite = "--xla_cpu_use_fusion_emitters=false"
+    monkeypatch.setenv("XLA_FLAGS", suite)
+    monkeypatch.setenv("SCIFLAT_SUITE_XLA_FLAGS", suite)
+    env = users_environment()
+    assert "XLA_FLAGS" not in env and "SCIFLAT_SUITE_XLA_FLAGS" not in env
+    monkeypatch.delenv("SCIFLAT_SUITE_XLA_FLAGS")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/mine")
+    assert users_environment()["XLA_FLAGS"] == "--xla_dump_to=/tmp/mine"
 
 
 @pytest.mark.parametrize("page", PAGES, ids=_rel)
