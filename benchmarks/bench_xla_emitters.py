@@ -51,7 +51,8 @@ def programs(names: list[str], folder: pathlib.Path):
     q, re_mlp = sciflat.destructure(mlp, dtype=jnp.float32)
     xs = jax.random.normal(jax.random.key(1), (256, 2), dtype=jnp.float32)
     loss = lambda q: jnp.mean(jax.vmap(re_mlp(q))(xs) ** 2)
-    yield "MLP (4,481 parameters) loss and gradient, float32", jax.value_and_grad(loss), q
+    label = f"MLP ({len(re_mlp):,} parameters) loss and gradient, float32"
+    yield label, jax.value_and_grad(loss), q
 
 
 def median_call(fn, arg, seconds: float) -> float:
