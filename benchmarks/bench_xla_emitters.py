@@ -82,6 +82,7 @@ def main() -> None:
     for label, fn, arg in programs(args.only, args.dir):
         lowered = jax.jit(fn).lower(arg)
         compile_s = {"default": [], "older": []}
+        exes = {}
         for r in range(args.repeats):
             # A distinct, inert option each time: JAX keeps executables per options.
             inert = {"xla_dump_max_hlo_modules": 1000 + r}
@@ -89,18 +90,14 @@ def main() -> None:
             for which in order:
                 options = inert if which == "default" else {**inert, **OLDER}
                 t = time.perf_counter()
-                compiled = lowered.compile(compiler_options=options)
+                exes[which] = lowered.compile(compiler_options=options)
                 compile_s[which].append(time.perf_counter() - t)
-                if which == "default":
-                    default = compiled
-                else:
-                    older = compiled
         calls = {"default": [], "older": []}
         for _ in range(3):
-            for which, exe in (("default", default), ("older", older)):
+            for which, exe in exes.items():
                 calls[which].append(median_call(exe, arg, args.seconds / 3))
-        a = [np.asarray(v) for v in jax.tree.leaves(default(arg))]
-        b = [np.asarray(v) for v in jax.tree.leaves(older(arg))]
+        a = [np.asarray(v) for v in jax.tree.leaves(exes["default"](arg))]
+        b = [np.asarray(v) for v in jax.tree.leaves(exes["older"](arg))]
         diff = max(
             float(np.max(np.abs(x - y) / np.maximum(np.abs(x), 1e-300)))
             for x, y in zip(a, b, strict=True)
